@@ -1,0 +1,192 @@
+"""Time gather/scatter of one chunk between paged KV and a KV_2LTD buffer, per layout.
+
+Qwen2-0.5B geometry by default: 24 layers, 2 KV heads of 64, bf16, blocks of
+128 tokens, 2000 blocks per layer, chunks of 256 tokens. Each layout is timed
+on two slot patterns: ``blocks`` (the chunk fills two whole blocks picked at
+random, which is what a 256-token chunk looks like in vLLM) and
+``scattered`` (256 random slots anywhere: the worst case). The baseline is a
+plain contiguous ``copy_`` of the same number of bytes, timed in the same run.
+
+    .venv/bin/python benchmarks/layout_copy.py [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from lmcache_mooncake.layouts import (
+    CpuAttnLayout,
+    FlashAttnLayout,
+    FlashInferLayout,
+    PagedLayout,
+    gather_chunk,
+    scatter_chunk,
+)
+
+DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "layout_copy.json"
+
+
+def paged_shape(
+    layout: PagedLayout, blocks: int, heads: int, block_size: int, head_size: int
+) -> tuple[int, ...]:
+    if isinstance(layout, CpuAttnLayout):
+        return (blocks, heads, block_size, 2 * head_size)
+    if isinstance(layout, FlashAttnLayout):
+        return (2, blocks, block_size, heads, head_size)
+    return (blocks, 2, block_size, heads, head_size)
+
+
+def timed_pairs(
+    fn: Callable[[], object], baseline: Callable[[], object], reps: int, device: torch.device
+) -> list[tuple[float, float]]:
+    """``(fn seconds, baseline seconds)`` per rep, each pair run back to back.
+
+    Pairing makes the ratio robust to other load on the machine drifting
+    during the run. One untimed warm-up call first (it also faults in the
+    pages the chunk touches).
+    """
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def once(f: Callable[[], object]) -> float:
+        start = time.perf_counter()
+        f()
+        sync()
+        return time.perf_counter() - start
+
+    once(fn)
+    once(baseline)
+    return [(once(fn), once(baseline)) for _ in range(reps)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--json", type=Path, default=DEFAULT_JSON, help=f"results file (default {DEFAULT_JSON})"
+    )
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-size", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--blocks", type=int, default=2000)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--reps", type=int, default=25)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads; 0 = torch's choice (default 1: steadier on a shared machine, "
+        "where a multi-threaded copy_ waits for whichever thread another process descheduled)",
+    )
+    args = parser.parse_args()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    n, t = args.block_size, args.tokens
+    hidden = args.kv_heads * args.head_size
+    chunk_bytes = 2 * args.layers * t * hidden * dtype.itemsize
+
+    whole_blocks = torch.randperm(args.blocks, generator=gen)[: -(-t // n)]
+    patterns = {
+        "blocks": (whole_blocks[:, None] * n + torch.arange(n)).reshape(-1)[:t],
+        "scattered": torch.randperm(args.blocks * n, generator=gen)[:t],
+    }
+    src = torch.randn(2, args.layers, t, hidden, generator=gen).to(dtype).to(device)
+    out = torch.empty_like(src)
+    memcpy_src, memcpy_dst = src.clone(), torch.empty_like(src)
+
+    def memcpy() -> None:
+        memcpy_dst.copy_(memcpy_src)
+
+    rows = []
+    memcpy_times: list[float] = []
+    for layout in (CpuAttnLayout("vec"), FlashAttnLayout(), FlashInferLayout()):
+        shape = paged_shape(layout, args.blocks, args.kv_heads, n, args.head_size)
+        # Uninitialised on purpose: only the pages a chunk touches get materialised
+        # (filling 24 x 125 MiB first would dominate the run); the round-trip check
+        # below writes the chunk before reading it.
+        caches = [torch.empty(shape, dtype=dtype, device=device) for _ in range(args.layers)]
+        for pattern, slots in patterns.items():
+            slots = slots.to(device)
+            scatter_chunk(layout, caches, slots, src)
+            gather_chunk(layout, caches, slots, out)
+            if not torch.equal(out.view(torch.int16), src.view(torch.int16)):
+                raise SystemExit(f"{layout.name}/{pattern}: gather after scatter did not round-trip")
+            for op, fn in (
+                ("gather", partial(gather_chunk, layout, caches, slots, out)),
+                ("scatter", partial(scatter_chunk, layout, caches, slots, src)),
+            ):
+                pairs = timed_pairs(fn, memcpy, args.reps, device)
+                times = [p[0] for p in pairs]
+                memcpy_times += [p[1] for p in pairs]
+                median_s = statistics.median(times)
+                rows.append(
+                    {
+                        "layout": layout.name,
+                        "op": op,
+                        "pattern": pattern,
+                        "median_ms": median_s * 1e3,
+                        "min_ms": min(times) * 1e3,
+                        "gb_per_s": chunk_bytes / median_s / 1e9,
+                        # op speed / memcpy speed, per back-to-back pair, then the median.
+                        "of_memcpy": statistics.median(base / t for t, base in pairs),
+                    }
+                )
+        del caches
+        gc.collect()
+
+    memcpy_s = statistics.median(memcpy_times)
+    memcpy_gbps = chunk_bytes / memcpy_s / 1e9
+
+    print(
+        f"chunk: {t} tokens x {args.layers} layers x {args.kv_heads} heads x {args.head_size} "
+        f"({dtype}, block {n}, {args.blocks} blocks) = {chunk_bytes / 2**20:.2f} MiB; "
+        f"{args.reps} reps, medians; torch {torch.__version__}, {torch.get_num_threads()} threads, {device}"
+    )
+    print(f"{'layout':<11} {'op':<8} {'pattern':<10} {'ms':>8} {'GB/s':>8} {'of memcpy':>10}")
+    print(
+        f"{'memcpy':<11} {'copy_':<8} {'contiguous':<10} {memcpy_s * 1e3:>8.3f} {memcpy_gbps:>8.2f} {1.0:>9.2f}x"
+    )
+    for r in rows:
+        print(
+            f"{r['layout']:<11} {r['op']:<8} {r['pattern']:<10} {r['median_ms']:>8.3f} "
+            f"{r['gb_per_s']:>8.2f} {r['of_memcpy']:>9.3f}x"
+        )
+
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    report = {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+        | {"dtype": str(dtype)},
+        "chunk_bytes": chunk_bytes,
+        "env": {
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "machine": platform.machine(),
+            "processor": platform.processor(),
+            "python": platform.python_version(),
+            # Other processes competing for the CPUs make every number noisier.
+            "loadavg_1m_at_end": os.getloadavg()[0],
+        },
+        "memcpy": {"median_ms": memcpy_s * 1e3, "min_ms": min(memcpy_times) * 1e3, "gb_per_s": memcpy_gbps},
+        "results": rows,
+    }
+    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""``LMCacheMooncakeConnector``: the vLLM KV connector of lmcache-mooncake.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector":"LMCacheMooncakeConnector",
+      "kv_connector_module_path":"lmcache_mooncake.connector",
+      "kv_role":"kv_both",
+      "kv_connector_extra_config":{"config_file":"configs/both.yaml"}}'
+
+vLLM builds one instance per process and role: the scheduler side in the
+EngineCore process (:mod:`.scheduler`) and the worker side in each worker
+process (:mod:`.worker`). This class only routes each call of vLLM's
+``KVConnectorBase_V1`` contract to the side that owns it.
+
+Roles: ``kv_both`` loads and saves; ``kv_producer`` saves only;
+``kv_consumer`` loads only.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from lmcache_mooncake.config import config_from_extra
+from lmcache_mooncake.connector.lookup import LookupClient
+from lmcache_mooncake.connector.metadata import StepMetadata
+from lmcache_mooncake.connector.scheduler import SchedulerSide
+from lmcache_mooncake.connector.worker import WorkerSide
+from lmcache_mooncake.logs import setup_logging
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+setup_logging()
+logger = logging.getLogger(__name__)
+
+__all__ = ["LMCacheMooncakeConnector"]
+
+
+def _model_id(vllm_config: VllmConfig, configured: str | None) -> str:
+    if configured:
+        return configured
+    name = vllm_config.model_config.served_model_name
+    if isinstance(name, (list, tuple)):
+        name = name[0]
+    return str(name or vllm_config.model_config.model)
+
+
+def _backend_name(vllm_config: VllmConfig) -> str:
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    names = {
+        layer.get_attn_backend().get_name()
+        for layer in get_layers_from_vllm_config(vllm_config, AttentionLayerBase).values()
+    }
+    if len(names) != 1:
+        raise ValueError(
+            f"lmcache-mooncake needs one attention backend for all layers, found {sorted(names)}"
+        )
+    return names.pop()
+
+
+class LMCacheMooncakeConnector(KVConnectorBase_V1):
+    """Saves and loads content-hashed KV chunks through LMCache's tiers."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = self._kv_transfer_config
+        # Errors here name the file and key; vLLM shows them at start-up.
+        self.cfg = config_from_extra(ktc.kv_connector_extra_config)
+        engine_id = str(ktc.engine_id)
+        self.run_dir = Path(self.cfg.run_dir or Path(tempfile.gettempdir()) / "lmcache-mooncake" / engine_id[:12])
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        socket = self.run_dir / f"lookup-{engine_id[:12]}.sock"
+        block_size = vllm_config.cache_config.block_size
+        save = ktc.kv_role in ("kv_both", "kv_producer")
+        load = ktc.kv_role in ("kv_both", "kv_consumer")
+
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            # vLLM's default is to fail a request whose KV load fails; a cache
+            # must instead recompute. The scheduler reads this after building us.
+            ktc.kv_load_failure_policy = self.cfg.load_failure_policy
+            self._scheduler = SchedulerSide(
+                self.cfg, block_size, LookupClient(socket, self.cfg.lookup_timeout), save=save, load=load
+            )
+        else:
+            from vllm.distributed.parallel_state import (
+                get_tensor_model_parallel_rank,
+                get_tensor_model_parallel_world_size,
+            )
+
+            self._worker = WorkerSide(
+                self.cfg,
+                model_id=_model_id(vllm_config, self.cfg.model_id),
+                backend_name=_backend_name(vllm_config),
+                block_size=block_size,
+                run_dir=self.run_dir,
+                lookup_socket=socket,
+                instance_id=f"lmcm-{engine_id}",
+                tp_rank=get_tensor_model_parallel_rank(),
+                tp_size=get_tensor_model_parallel_world_size(),
+            )
+        logger.info("LMCacheMooncakeConnector (%s, %s) config: %s", role.name, ktc.kv_role, self.cfg)
+
+    # ==============================
+    # Worker side
+    # ==============================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Worker: called once with every layer's paged KV tensor, in layer order."""
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Worker: load this step's planned chunks. Loads are synchronous, so all
+        are in paged KV when this returns (vLLM calls it before the forward)."""
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, StepMetadata)
+        self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Worker: nothing to wait for; start_load_kv already loaded every layer."""
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """Worker: saves happen once per step in wait_for_save, over all layers."""
+        return
+
+    def wait_for_save(self) -> None:
+        """Worker: copy out and store the prompts this step finished computing."""
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, StepMetadata)
+        self._worker.save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Worker: no asynchronous sends or receives are in flight."""
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Worker: blocks whose planned load failed this step; vLLM recomputes them."""
+        return self._worker.take_failed_blocks() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        """Both sides: drain pending writes and close the tiers."""
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    # ==============================
+    # Scheduler side
+    # ==============================
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Scheduler: prompt tokens beyond ``num_computed_tokens`` the tiers can supply."""
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """Scheduler: blocks are allocated; remember to load ``num_external_tokens``."""
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """Scheduler: this step's loads and saves, for the workers."""
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Scheduler: the blocks can be freed at once (saves copy out within their step)."""
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)

@@ -1,0 +1,169 @@
+"""The scheduler side of the connector (runs in vLLM's EngineCore process).
+
+It asks the worker how long a cached prefix the tiers hold, tells vLLM how
+many tokens will be loaded, and each step plans the loads and saves the
+worker carries out. It holds no KV itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from lmcache_mooncake.config import CacheConfig
+from lmcache_mooncake.connector.lookup import LookupClient
+from lmcache_mooncake.connector.metadata import LoadOp, SaveOp, StepMetadata, slots_for
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Tracked:
+    """What the scheduler side remembers about one live request."""
+
+    token_ids: list[int]
+    cache_salt: str | None
+    lora: str | None
+    block_ids: list[int]
+    external_hit: int = 0  # prompt tokens the tiers hold (chunk-aligned or the whole prompt)
+    load: tuple[int, int] | None = None  # planned [start, end) to load
+    saved: bool = False
+
+
+def _lora_name(request: Request) -> str | None:
+    lora = getattr(request, "lora_request", None)
+    return None if lora is None else str(lora.lora_name)
+
+
+class SchedulerSide:
+    def __init__(self, cfg: CacheConfig, block_size: int, lookup: LookupClient, save: bool, load: bool):
+        self.cfg = cfg
+        self.block_size = block_size
+        self.lookup_client = lookup
+        self.save_enabled = save
+        self.load_enabled = load
+        # Hit, salt and LoRA found by get_num_new_matched_tokens, before blocks
+        # are allocated (vLLM's per-step request data does not carry the salt).
+        self._hits: dict[str, tuple[int, str | None, str | None]] = {}
+        self._planned_loads: dict[str, tuple[int, int]] = {}
+        self._reqs: dict[str, _Tracked] = {}
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        prompt = list(request.prompt_token_ids or [])
+        if not self.load_enabled and not self.save_enabled:
+            return 0, False
+        salt, lora = request.cache_salt, _lora_name(request)
+        hit = self.lookup_client.lookup(prompt, salt, lora)
+        self._hits[request.request_id] = (hit, salt, lora)
+        if not self.load_enabled:
+            return 0, False
+        # vLLM must compute at least one prompt token to sample the next one.
+        usable = min(hit, len(prompt) - 1)
+        new = max(usable - num_computed_tokens, 0)
+        logger.debug(
+            "request %s: %d prompt tokens, %d cached in tiers, %d computed locally, loading %d",
+            request.request_id, len(prompt), hit, num_computed_tokens, new,
+        )
+        return new, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if num_external_tokens > 0:
+            end = request.num_computed_tokens + num_external_tokens
+            self._planned_loads[request.request_id] = (request.num_computed_tokens, end)
+
+    def _chunk_end(self, token_count: int, pos: int) -> int:
+        """End of the chunk holding token ``pos - 1`` (chunks end at multiples or at the prompt end)."""
+        size = self.cfg.chunk_size
+        return min(-(-pos // size) * size, token_count)
+
+    def build_connector_meta(self, out: SchedulerOutput) -> StepMetadata:
+        meta = StepMetadata()
+        for new in out.scheduled_new_reqs:
+            req_id = new.req_id
+            known = req_id in self._hits
+            hit, salt, lora = self._hits.pop(req_id, (0, None, None))
+            tracked = _Tracked(
+                token_ids=list(new.prompt_token_ids or []),
+                cache_salt=salt,
+                lora=lora,
+                block_ids=list(new.block_ids[0]),
+                external_hit=hit,
+                load=self._planned_loads.pop(req_id, None),
+                # Never store under a guessed salt: a request we did not look
+                # up (so whose salt we do not know) is not saved.
+                saved=not known,
+            )
+            self._reqs[req_id] = tracked
+            if tracked.load is not None:
+                meta.loads.append(self._load_op(req_id, tracked))
+            self._maybe_save(meta, req_id, tracked, new.num_computed_tokens + out.num_scheduled_tokens[req_id])
+
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._reqs.get(req_id)
+            if tracked is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                # A preempted request resumes with a fresh block list and recomputes.
+                tracked.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                tracked.block_ids.extend(new_blocks[0])
+            done = cached.num_computed_tokens[i] + out.num_scheduled_tokens.get(req_id, 0)
+            self._maybe_save(meta, req_id, tracked, done)
+
+        for req_id in out.finished_req_ids:
+            self._reqs.pop(req_id, None)
+            self._hits.pop(req_id, None)
+            self._planned_loads.pop(req_id, None)
+        return meta
+
+    def _load_op(self, req_id: str, t: _Tracked) -> LoadOp:
+        start, end = t.load  # type: ignore[misc]
+        upto = self._chunk_end(len(t.token_ids), end)
+        return LoadOp(
+            req_id=req_id,
+            token_ids=t.token_ids[:upto],
+            slots=slots_for(t.block_ids, self.block_size, upto),
+            start=start,
+            end=end,
+            block_ids=list(t.block_ids),
+            cache_salt=t.cache_salt,
+            lora=t.lora,
+        )
+
+    def _maybe_save(self, meta: StepMetadata, req_id: str, t: _Tracked, computed: int) -> None:
+        """Plan the save of the whole prompt in the step that computes its last token."""
+        if not self.save_enabled or t.saved or computed < len(t.token_ids):
+            return
+        t.saved = True
+        n = len(t.token_ids)
+        # Chunks the tiers already hold are not copied again.
+        skip = (t.external_hit // self.cfg.chunk_size) * self.cfg.chunk_size
+        if t.external_hit >= n or (not self.cfg.save_unfull_chunk and n - skip < self.cfg.chunk_size):
+            return
+        meta.saves.append(
+            SaveOp(
+                req_id=req_id,
+                token_ids=t.token_ids,
+                slots=slots_for(t.block_ids, self.block_size, n),
+                skip=skip,
+                cache_salt=t.cache_salt,
+                lora=t.lora,
+            )
+        )
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # Saves are copied out of paged KV within the step that plans them, so
+        # the blocks may be freed at once.
+        self._reqs.pop(request.request_id, None)
+        return False, None
+
+    def shutdown(self) -> None:
+        self.lookup_client.close()

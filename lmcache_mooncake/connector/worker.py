@@ -1,0 +1,174 @@
+"""The worker side of the connector (runs in each vLLM worker process).
+
+It owns the LMCache engine (and so the tiers), answers the scheduler's
+lookups, loads planned chunks into paged KV before the forward pass that
+needs them, stores newly computed prompts after the forward pass, and
+reports blocks whose load failed so vLLM recomputes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from lmcache_mooncake import layouts
+from lmcache_mooncake.config import CacheConfig
+from lmcache_mooncake.connector.lookup import LookupServer
+from lmcache_mooncake.connector.metadata import LoadOp, SaveOp, StepMetadata
+from lmcache_mooncake.engine import build_engine, close_engine, request_configs
+from lmcache_mooncake.keys import KeyNamespace
+from lmcache_mooncake.stats import STATS
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    def __init__(
+        self,
+        cfg: CacheConfig,
+        model_id: str,
+        backend_name: str,
+        block_size: int,
+        run_dir: Path,
+        lookup_socket: Path,
+        instance_id: str,
+        tp_rank: int,
+        tp_size: int,
+    ):
+        self.cfg = cfg
+        self.model_id = model_id
+        self.layout = layouts.layout_for_backend(backend_name)
+        self.block_size = block_size
+        self.run_dir = run_dir
+        self.lookup_socket = lookup_socket
+        self.instance_id = instance_id
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.kv_caches: list[torch.Tensor] = []
+        self.engine = None
+        self.namespace: KeyNamespace | None = None
+        self.lookup_server: LookupServer | None = None
+        self._failed_blocks: set[int] = set()
+        self.stats_path = run_dir / f"stats-rank{tp_rank}.json"
+
+    # -- set-up ------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.kv_caches = list(kv_caches.values())
+        first = self.kv_caches[0]
+        _, num_heads, block_size, head_size = self.layout.kv_shape(first, self.block_size)
+        dtype = str(first.dtype).removeprefix("torch.")
+        self.namespace = KeyNamespace(
+            model=self.model_id,
+            kv_dtype=dtype,
+            num_layers=len(self.kv_caches),
+            num_kv_heads=num_heads,
+            head_size=head_size,
+            chunk_size=self.cfg.chunk_size,
+            tp_size=self.tp_size,
+            tp_rank=self.tp_rank,
+        )
+        self.engine = build_engine(self.cfg, self.namespace, self.layout, first.dtype, self.instance_id)
+        if self.tp_rank == 0:
+            self.lookup_server = LookupServer(self.lookup_socket, self.lookup)
+        logger.info(
+            "lmcache-mooncake worker ready: %s layout, %d layers, namespace %s, disk tier %s",
+            self.layout.name, len(self.kv_caches), self.namespace.hex(), self.cfg.disk_path,
+        )
+
+    # -- lookups (called on the lookup server's thread) --------------------
+    def lookup(self, tokens: list[int], salt: str | None, lora: str | None) -> int:
+        assert self.engine is not None
+        t0 = time.perf_counter()
+        hit = self.engine.lookup(tokens=tokens, request_configs=request_configs(salt, lora))
+        STATS.add("lookups")
+        STATS.add("lookup_hit_tokens", hit)
+        STATS.add("lookup_us", int((time.perf_counter() - t0) * 1e6))
+        return hit
+
+    # -- per step ----------------------------------------------------------
+    def start_load_kv(self, meta: StepMetadata) -> None:
+        for op in meta.loads:
+            self._load(op)
+
+    def _load(self, op: LoadOp) -> None:
+        assert self.engine is not None
+        tokens = torch.tensor(op.token_ids, dtype=torch.long)
+        slots = torch.tensor(op.slots, dtype=torch.long)
+        # Chunks wholly before `start` are not read at all.
+        aligned = (op.start // self.cfg.chunk_size) * self.cfg.chunk_size
+        mask = torch.ones(len(tokens), dtype=torch.bool)
+        mask[:aligned] = False
+        t0 = time.perf_counter()
+        try:
+            ret = self.engine.retrieve(
+                tokens,
+                mask,
+                kvcaches=self.kv_caches,
+                slot_mapping=slots,
+                skip_leading_tokens=op.start,
+                load_end=op.end,
+                request_configs=request_configs(op.cache_salt, op.lora),
+                req_id=op.req_id,
+            )
+            loaded = int(ret[aligned:].long().cumprod(0).sum().item()) + aligned
+        except Exception:
+            logger.exception("request %s: loading cached KV failed; vLLM will recompute", op.req_id)
+            loaded = aligned
+        if loaded < op.end:
+            # Every block holding a token we promised but did not load.
+            first_block = max(loaded, op.start) // self.block_size
+            last_block = (op.end - 1) // self.block_size
+            bad = op.block_ids[first_block : last_block + 1]
+            self._failed_blocks.update(bad)
+            STATS.add("load_failures")
+            STATS.add("load_failed_tokens", op.end - max(loaded, op.start))
+            logger.warning(
+                "request %s: loaded %d of %d planned tokens; %d blocks will be recomputed",
+                op.req_id, max(loaded, op.start) - op.start, op.end - op.start, len(bad),
+            )
+        STATS.add("loaded_tokens", max(min(loaded, op.end) - op.start, 0))
+        STATS.add("load_us", int((time.perf_counter() - t0) * 1e6))
+
+    def save(self, meta: StepMetadata) -> None:
+        for op in meta.saves:
+            self._save(op)
+        STATS.dump(self.stats_path)
+
+    def _save(self, op: SaveOp) -> None:
+        assert self.engine is not None
+        tokens = torch.tensor(op.token_ids, dtype=torch.long)
+        mask = torch.ones(len(tokens), dtype=torch.bool)
+        mask[: op.skip] = False
+        t0 = time.perf_counter()
+        try:
+            self.engine.store(
+                tokens,
+                mask,
+                kvcaches=self.kv_caches,
+                slot_mapping=torch.tensor(op.slots, dtype=torch.long),
+                request_configs=request_configs(op.cache_salt, op.lora),
+                req_id=op.req_id,
+            )
+        except Exception:
+            # A failed save is a future miss, never a wrong answer.
+            logger.exception("request %s: saving KV failed; it will not be cached", op.req_id)
+            STATS.add("save_failures")
+            return
+        STATS.add("saved_tokens", len(tokens) - op.skip)
+        STATS.add("save_us", int((time.perf_counter() - t0) * 1e6))
+
+    def take_failed_blocks(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def shutdown(self) -> None:
+        if self.lookup_server is not None:
+            self.lookup_server.close()
+            self.lookup_server = None
+        if self.engine is not None:
+            close_engine(self.engine, self.instance_id)
+            self.engine = None
+        STATS.dump(self.stats_path, force=True)

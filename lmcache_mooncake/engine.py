@@ -1,0 +1,233 @@
+"""LMCache's cache engine, set up to run on the CPU with our keys and our copies.
+
+Three things of ours are handed to LMCache's in-process engine:
+
+- :class:`PagedKVCopier`, LMCache's "GPU connector" role: it copies between
+  vLLM's paged KV and LMCache's chunk buffers with :mod:`layouts` (LMCache's
+  own copy path is CUDA-only and finds nothing on a CPU).
+- :class:`ChunkKeyDatabase`, LMCache's token-database role: it names chunks
+  with :mod:`keys` (chained SHA-256 in a namespace, with salt and LoRA),
+  instead of LMCache's default of Python's ``hash()``.
+- the disk tier of :mod:`tiers.disk`, as a remote plug-in.
+
+LMCache keeps doing what it does well: the CPU tier with its allocator and
+eviction, the write-through to the next tier on its event loop, and prefix
+lookups across tiers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
+from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.metadata import LMCacheMetadata
+from lmcache.v1.token_database import TokenDatabase
+
+from lmcache_mooncake import layouts
+from lmcache_mooncake.config import CacheConfig
+from lmcache_mooncake.keys import KeyNamespace, chunk_keys
+from lmcache_mooncake.tiers import disk
+
+logger = logging.getLogger(__name__)
+
+#: request_configs entries that carry the request's salt and LoRA to the key database.
+SALT = "lmcm.cache_salt"
+LORA = "lmcm.lora"
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def request_configs(cache_salt: str | None, lora: str | None) -> dict[str, Any]:
+    """What store/retrieve/lookup need to derive a request's keys."""
+    return {SALT: cache_salt, LORA: lora}
+
+
+class ChunkKeyDatabase(TokenDatabase):
+    """LMCache token database that names chunks with :func:`keys.chunk_keys`."""
+
+    def __init__(self, namespace: KeyNamespace, metadata: LMCacheMetadata, save_unfull_chunk: bool):
+        # TokenDatabase.__init__ wires LMCache's own hash functions; we need none.
+        self.namespace = namespace
+        self.metadata = metadata
+        self.chunk_size = namespace.chunk_size
+        self.save_unfull_chunk = save_unfull_chunk
+        self.save_only_first_rank = False
+
+    def process_tokens(
+        self,
+        tokens: torch.Tensor | list[int] | None = None,
+        hashes: list[int] | None = None,
+        offsets: list[int] | None = None,
+        mask: torch.Tensor | None = None,
+        make_key: bool = True,
+        request_configs: dict | None = None,
+    ) -> Iterable[tuple[int, int, CacheEngineKey | int]]:
+        if tokens is None:
+            raise ValueError("ChunkKeyDatabase needs token ids (hash-only calls are not used)")
+        token_list = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+        rc = request_configs or {}
+        skip = 0
+        if mask is not None:
+            skip = int(mask.numel() - mask.long().sum().item())
+            if skip % self.chunk_size:
+                raise ValueError("masked prefix is not a multiple of chunk_size")
+        for ck in chunk_keys(
+            self.namespace, token_list, rc.get(SALT), rc.get(LORA),
+            include_partial=self.save_unfull_chunk,
+        ):
+            if ck.start < skip:
+                continue
+            if not make_key:
+                yield ck.start, ck.end, ck.as_int
+                continue
+            yield ck.start, ck.end, CacheEngineKey(
+                self.metadata.model_name,
+                self.metadata.world_size,
+                self.metadata.worker_id,
+                ck.as_int,
+                self.metadata.kv_dtype,
+                None,
+            )
+
+
+class PagedKVCopier(GPUConnectorInterface):
+    """Copies chunks between vLLM's paged KV (any supported layout) and LMCache buffers.
+
+    kwargs of store/retrieve: ``kvcaches`` (per-layer paged tensors, in layer
+    order), ``slot_mapping`` (slot of every token passed to store/retrieve),
+    and for retrieve ``skip_leading_tokens`` and ``load_end``: only tokens in
+    ``[skip_leading_tokens, load_end)`` are written (vLLM already holds those
+    before, possibly shared with other requests, and computes those after).
+    """
+
+    def __init__(self, layout: layouts.PagedLayout, num_layers: int, num_kv_heads: int, head_size: int):
+        self.layout = layout
+        self.num_layers = num_layers
+        self.hidden = num_kv_heads * head_size
+        self.kvcaches: list[torch.Tensor] | None = None
+
+    def get_shape(self, num_tokens: int) -> torch.Size:
+        return torch.Size([2, self.num_layers, num_tokens, self.hidden])
+
+    def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
+        self.batched_from_gpu([memory_obj], [start], [end], **kwargs)
+
+    def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
+        self.batched_to_gpu([memory_obj], [start], [end], **kwargs)
+
+    def batched_from_gpu(self, memory_objs, starts, ends, **kwargs: Any) -> None:  # type: ignore[override]
+        kvcaches, slots = kwargs["kvcaches"], kwargs["slot_mapping"]
+        for obj, start, end in zip(memory_objs, starts, ends, strict=True):
+            layouts.gather_chunk(self.layout, kvcaches, slots[start:end], obj.tensor)
+
+    def batched_to_gpu(self, memory_objs, starts, ends, **kwargs: Any) -> None:  # type: ignore[override]
+        kvcaches, slots = kwargs["kvcaches"], kwargs["slot_mapping"]
+        skip = int(kwargs.get("skip_leading_tokens", 0))
+        stop = int(kwargs.get("load_end", len(slots)))
+        for obj, start, end in zip(memory_objs, starts, ends, strict=True):
+            lo, hi = max(start, skip), min(end, stop)
+            if hi <= lo:
+                continue
+            src = obj.tensor[:, :, lo - start : hi - start]
+            layouts.scatter_chunk(self.layout, kvcaches, slots[lo:hi], src)
+
+
+def build_engine(
+    cfg: CacheConfig,
+    namespace: KeyNamespace,
+    layout: layouts.PagedLayout,
+    kv_dtype: torch.dtype,
+    instance_id: str,
+) -> LMCacheEngine:
+    """Create and start an LMCache engine with our copier, key database and tiers."""
+    extra: dict[str, Any] = {}
+    plugins: list[str] = []
+    if cfg.disk_path is not None:
+        plugins.append(disk.PLUGIN_NAME)
+        extra.update(
+            disk.plugin_extra_config(
+                cfg.disk_path, int(cfg.max_local_disk_size * 2**30), cfg.verify_on_lookup
+            )
+        )
+    lm_config = LMCacheEngineConfig.from_defaults(
+        chunk_size=namespace.chunk_size,
+        local_cpu=cfg.local_cpu,
+        max_local_cpu_size=cfg.max_local_cpu_size,
+        local_disk=None,
+        save_unfull_chunk=cfg.save_unfull_chunk,
+        remote_storage_plugins=plugins or None,
+        extra_config=extra or None,
+        # Writes to the next tier must not be skipped or delayed by LMCache's
+        # own heuristics: a later process can only find what was written.
+        lmcache_instance_id=instance_id,
+    )
+    metadata = LMCacheMetadata(
+        model_name=namespace.hex(),
+        world_size=namespace.tp_size,
+        local_world_size=namespace.tp_size,
+        worker_id=namespace.tp_rank,
+        local_worker_id=namespace.tp_rank,
+        kv_dtype=kv_dtype,
+        kv_shape=(namespace.num_layers, 2, namespace.chunk_size, namespace.num_kv_heads, namespace.head_size),
+        chunk_size=namespace.chunk_size,
+        role="worker",
+    )
+    copier = PagedKVCopier(layout, namespace.num_layers, namespace.num_kv_heads, namespace.head_size)
+    engine = LMCacheEngineBuilder.get_or_create(
+        instance_id, lm_config, metadata, copier, _no_broadcast, _no_broadcast_object
+    )
+    engine.token_database = ChunkKeyDatabase(namespace, metadata, cfg.save_unfull_chunk)
+    engine.post_init()
+    return engine
+
+
+def _no_broadcast(tensor: torch.Tensor, src: int) -> None:
+    return None
+
+
+def _no_broadcast_object(obj: Any, src: int) -> Any:
+    return obj
+
+
+def pending_writes(engine: LMCacheEngine) -> int:
+    """Chunks handed to slower tiers whose writes have not finished."""
+    sm = engine.storage_manager
+    if sm is None:
+        return 0
+    total = 0
+    for backend in getattr(sm, "storage_backends", {}).values():
+        tasks = getattr(backend, "put_tasks", None)
+        if tasks is not None:
+            total += len(tasks)
+    return total
+
+
+def drain(engine: LMCacheEngine, timeout: float) -> bool:
+    """Wait until every write to slower tiers has finished; False on timeout."""
+    deadline = time.monotonic() + timeout
+    while pending_writes(engine):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def close_engine(engine: LMCacheEngine, instance_id: str, timeout: float = 60.0) -> None:
+    """Drain pending writes, then close (closing with writes pending can crash LMCache)."""
+    if not drain(engine, timeout):
+        logger.warning("closing with %d chunk writes still pending", pending_writes(engine))
+    LMCacheEngineBuilder.destroy(instance_id)
+
+
+def torch_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    return _DTYPES[name]

@@ -1,0 +1,560 @@
+"""How attention backends lay out vLLM's paged KV cache, and copies between it and chunk buffers.
+
+This is the only module that knows a backend's paged layout. Everything else
+sees chunk buffers in LMCache's ``KV_2LTD`` format: for a chunk of ``T``
+tokens over ``L`` layers, a ``[2, L, T, H * D]`` tensor (``[0]`` = K,
+``[1]`` = V; ``H`` KV heads of ``D`` elements, head-major within a token).
+Per layer that is a ``[2, T, H * D]`` slice.
+
+A token's *slot* is ``block_id * block_size + offset_in_block``, as in vLLM's
+``slot_mapping``. Supported per-layer paged tensors (``B`` blocks of ``N``
+tokens):
+
+``CPU_ATTN`` (vLLM's CPU backend, ``vec`` / ``vec16`` kernels)
+    ``[B, H, N, 2 * D]``. The kernel views it as ``[B, H, 2N, D]`` and splits
+    ``.chunk(2, dim=2)``: per (block, head) the first ``N * D`` elements are K
+    and the next ``N * D`` are V. V is token-major (``[N, D]``: V of offset
+    ``o`` is row ``o``), but K is stored *column-major* (``[D, N]``: element
+    ``d`` of offset ``o`` is at ``d * N + o``), so that the QK kernel reads
+    one head dimension for all tokens of a block at once. This was checked
+    against vLLM 0.32's own ``cpu_attn_reshape_and_cache`` (see the tests);
+    note that K is *not* ``k_half[b, h, o, :]`` of the ``[B, H, 2N, D]`` view.
+    Other kernels are refused rather than misread: AMX (bf16 on CPUs with
+    AMX) packs K and V into tile layouts, and the NEON / VSX / VXE / RVV
+    packings are not verified here.
+``FLASH_ATTN``
+    ``[2, B, N, H, D]`` (``[0]`` = K, ``[1]`` = V).
+``FLASHINFER``
+    ``[B, 2, N, H, D]`` (``[:, 0]`` = K, ``[:, 1]`` = V).
+
+These two GPU layouts are the 5-D ones of vLLM releases before its
+``KVCacheLayout`` rework. vLLM 0.32 hands every backend a 4-D logical
+``[B, H, N, C]`` view instead (for these two, K and V split on the last dim),
+which their ``kv_shape`` rejects with ``ValueError`` rather than misreading.
+
+How the copies work: every layout exposes K and V as strided ``[B, N, H, D]``
+views of its tensor (no copy). From their strides we compute, once per chunk,
+the storage offsets of each token's K and V, in the largest contiguous unit
+the layout allows (a whole ``H * D`` token row, one ``D`` head row, or single
+elements), and move data with one ``index_select(..., out=...)`` (gather) or
+``index_copy_`` (scatter) per layer and per K/V. No per-token Python loops and
+no intermediate chunk-sized copies when the buffers are contiguous. Paged
+tensors may be non-contiguous views (e.g. one layer of a cross-layer
+allocation, or padded pages) as long as the layout's own view is expressible.
+
+Slots must be distinct and within ``[0, B * N)``. Duplicate slots are not
+expected (vLLM never maps two tokens to one slot): gather would just copy the
+token twice, but scatter would leave one of the writers' data in the slot,
+unspecified which. vLLM's padding slot ``-1`` must be stripped by the caller.
+Out-of-range slots raise ``ValueError`` when ``slots`` is a CPU tensor; for
+device tensors the check would need a host sync, so it is skipped.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import ClassVar
+
+import torch
+
+__all__ = [
+    "SUPPORTED_BACKENDS",
+    "SUPPORTED_DTYPES",
+    "CpuAttnLayout",
+    "FlashAttnLayout",
+    "FlashInferLayout",
+    "KVShape",
+    "PagedLayout",
+    "gather_chunk",
+    "infer_kv_shape",
+    "layout_for_backend",
+    "scatter_chunk",
+]
+
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """Geometry of a model's paged KV cache, identical for every layer."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def hidden(self) -> int:
+        """Elements of K (or V) per token per layer: ``num_kv_heads * head_size``."""
+        return self.num_kv_heads * self.head_size
+
+    def chunk_shape(self, num_tokens: int) -> tuple[int, int, int, int]:
+        """Shape of the ``KV_2LTD`` chunk buffer for ``num_tokens`` tokens."""
+        return (2, self.num_layers, num_tokens, self.hidden)
+
+
+# -- the copy engine (layout-independent) ------------------------------------
+
+
+@dataclass(frozen=True)
+class _Side:
+    """Where K (or V) of each token lives in one layer's storage.
+
+    ``rows`` indexes :func:`_rows` of the layer (its storage from its storage
+    offset on, as ``unit``-element rows); ``rows[i]`` is the ``i``-th
+    ``unit``-element piece of the ``[T, H * D]`` K (or V) buffer, in order.
+    """
+
+    rows: torch.Tensor
+    unit: int
+
+
+@dataclass(frozen=True)
+class _Plan:
+    k: _Side
+    v: _Side
+
+
+def _span(t: torch.Tensor) -> int:
+    """Number of storage elements from ``t``'s storage offset to its last element."""
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+
+
+def _side(view: torch.Tensor, rel_base: int, blocks: torch.Tensor, offsets: torch.Tensor) -> _Side:
+    """Offsets of the tokens ``(blocks[i], offsets[i])`` of a ``[B, N, H, D]`` view.
+
+    ``rel_base``: the view's storage offset minus its layer tensor's.
+    """
+    _, _, heads, dim = view.shape
+    s_block, s_off, s_head, s_dim = view.stride()
+    # Strides of size-1 dims carry no information (and torch may set them to
+    # anything); normalise them so they don't block the contiguous-unit paths.
+    if dim == 1:
+        s_dim = 1
+    if heads == 1:
+        s_head = dim * s_dim
+    # Largest piece of a token's [H, D] that is contiguous in storage and
+    # aligned to its own size from the layer's storage offset, so storage can
+    # be viewed as rows of that size.
+    unit = 1
+    for cand, contiguous, strides in (
+        (heads * dim, s_dim == 1 and s_head == dim, (rel_base, s_block, s_off)),
+        (dim, s_dim == 1, (rel_base, s_block, s_off, s_head)),
+    ):
+        if contiguous and all(s % cand == 0 for s in strides):
+            unit = cand
+            break
+    dev = blocks.device
+    token_start = rel_base + blocks * s_block + offsets * s_off  # [T]
+    if unit == heads * dim:
+        starts = token_start
+    elif unit == dim:
+        starts = token_start[:, None] + torch.arange(heads, device=dev) * s_head
+    else:
+        starts = (
+            token_start[:, None, None]
+            + (torch.arange(heads, device=dev) * s_head)[:, None]
+            + torch.arange(dim, device=dev) * s_dim
+        )
+    return _Side(rows=(starts.reshape(-1) // unit), unit=unit)
+
+
+def _rows(t: torch.Tensor, unit: int) -> torch.Tensor:
+    """``t``'s storage from its storage offset on, as rows of ``unit`` elements (no copy).
+
+    Single elements get a 1-D view: index_select/index_copy_ on ``[n, 1]``
+    rows take a per-row copy path that is several times slower.
+    """
+    span = _span(t)
+    if unit == 1:
+        return t.as_strided((span,), (1,))
+    return t.as_strided((span // unit, unit), (unit, 1))
+
+
+def _gather_side(kv: torch.Tensor, side: _Side, dst: torch.Tensor) -> None:
+    rows = _rows(kv, side.unit)
+    if dst.is_contiguous():
+        torch.index_select(rows, 0, side.rows, out=dst.view(-1, *rows.shape[1:]))
+    else:
+        # Only reached for strided output buffers; a temporary is unavoidable.
+        dst.copy_(torch.index_select(rows, 0, side.rows).view(dst.shape))
+
+
+def _scatter_side(kv: torch.Tensor, side: _Side, src: torch.Tensor) -> None:
+    rows = _rows(kv, side.unit)
+    # reshape() copies only if src's [T, H*D] isn't already row-contiguous.
+    rows.index_copy_(0, side.rows, src.reshape(-1, *rows.shape[1:]))
+
+
+# -- layouts --------------------------------------------------------------------
+
+
+class PagedLayout(ABC):
+    """One attention backend's per-layer paged KV layout.
+
+    Subclasses describe the layout (``kv_shape`` validates a tensor,
+    ``_kv_views`` exposes K and V as ``[B, N, H, D]`` views); ``gather`` and
+    ``scatter`` are shared. Layout objects are immutable and thread-safe.
+    """
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def kv_shape(self, kv_layer: torch.Tensor, block_size: int | None = None) -> tuple[int, int, int, int]:
+        """``(num_blocks, num_kv_heads, block_size, head_size)`` of one layer's paged tensor.
+
+        Raises ``ValueError`` (saying what was expected) if ``kv_layer`` can't
+        be this layout: wrong rank, dtype, or memory order, or a block size
+        different from ``block_size`` when that is given.
+        """
+
+    @abstractmethod
+    def _kv_views(self, kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of a validated layer tensor as ``[B, N, H, D]`` views sharing its storage."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    # -- public copies ------------------------------------------------------------
+
+    def gather(self, kv_layer: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy K and V of the tokens at ``slots`` of one layer into ``out``.
+
+        ``slots``: 1-D integer tensor of ``T`` distinct slots (any device; it is
+        moved to ``kv_layer``'s). ``out``: ``[2, T, H * D]``, same dtype and
+        device as ``kv_layer``; ``out[0, i]`` / ``out[1, i]`` receive K / V of
+        ``slots[i]``, heads in order. ``kv_layer`` is not modified. Raises
+        ``ValueError`` on malformed arguments.
+        """
+        shape = self.kv_shape(kv_layer)
+        slots = _check_slots(slots, shape[0] * shape[2], kv_layer.device)
+        _check_buffer("out", out, (2, slots.numel(), shape[1] * shape[3]), kv_layer)
+        plan = self._plan(kv_layer, slots, shape[2])
+        _gather_side(kv_layer, plan.k, out[0])
+        _gather_side(kv_layer, plan.v, out[1])
+
+    def scatter(self, kv_layer: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
+        """Write ``src`` ``[2, T, H * D]`` (K, V) into one layer at ``slots``.
+
+        The inverse of :meth:`gather`: afterwards gathering ``slots`` returns
+        ``src`` bit for bit. Every other element of ``kv_layer``'s storage is
+        left untouched. Same argument rules as :meth:`gather`; ``src`` may have
+        any strides.
+        """
+        shape = self.kv_shape(kv_layer)
+        slots = _check_slots(slots, shape[0] * shape[2], kv_layer.device)
+        _check_buffer("src", src, (2, slots.numel(), shape[1] * shape[3]), kv_layer)
+        plan = self._plan(kv_layer, slots, shape[2])
+        _scatter_side(kv_layer, plan.k, src[0])
+        _scatter_side(kv_layer, plan.v, src[1])
+
+    # -- internals ----------------------------------------------------------------
+
+    def _plan(self, kv_layer: torch.Tensor, slots: torch.Tensor, block_size: int) -> _Plan:
+        """Row indices of ``slots`` for a layer; depends only on the layer's shape and strides."""
+        blocks = torch.div(slots, block_size, rounding_mode="floor")
+        offsets = slots - blocks * block_size
+        k, v = self._kv_views(kv_layer)
+        base = kv_layer.storage_offset()
+        return _Plan(
+            k=_side(k, k.storage_offset() - base, blocks, offsets),
+            v=_side(v, v.storage_offset() - base, blocks, offsets),
+        )
+
+
+def _check_layer_tensor(layout: str, kv: torch.Tensor, rank: int, expected: str) -> None:
+    if not isinstance(kv, torch.Tensor):
+        raise ValueError(f"{layout}: expected a torch.Tensor, got {type(kv).__name__}")
+    if kv.dim() != rank:
+        raise ValueError(
+            f"{layout}: expected a {rank}-D paged KV tensor {expected}, got shape {tuple(kv.shape)}"
+        )
+    if kv.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"{layout}: KV dtype {kv.dtype} is not supported (supported: "
+            f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}; quantized KV caches are not)"
+        )
+    if kv.numel() == 0:
+        raise ValueError(f"{layout}: empty paged KV tensor of shape {tuple(kv.shape)}")
+
+
+def _check_block_size(layout: str, found: int, block_size: int | None) -> None:
+    if block_size is not None and found != block_size:
+        raise ValueError(
+            f"{layout}: the paged KV tensor holds blocks of {found} tokens, "
+            f"but block_size={block_size} was expected"
+        )
+
+
+def _check_kv_pair(layout: str, kv: torch.Tensor, dim: int, expected: str) -> None:
+    if kv.shape[dim] != 2:
+        raise ValueError(
+            f"{layout}: expected dim {dim} of size 2 (K, V) in {expected}, got shape {tuple(kv.shape)}"
+        )
+
+
+class CpuAttnLayout(PagedLayout):
+    """vLLM's ``CPU_ATTN`` backend: ``[B, H, N, 2D]``, per (block, head) K as ``[D, N]`` then V as ``[N, D]``.
+
+    ``isa`` is the CPU attention kernel vLLM picked for the model (the
+    ``isa`` attribute it sets on each attention layer), since the in-block
+    packing depends on it. Only ``"vec"`` and ``"vec16"`` (same packing) are
+    supported. ``None`` resolves it per tensor the way vLLM does (by dtype,
+    block size, head size and CPU features) and refuses the others.
+    """
+
+    name = "CPU_ATTN"
+    SUPPORTED_ISAS: ClassVar[tuple[str, ...]] = ("vec", "vec16")
+    _EXPECTED: ClassVar[str] = "[num_blocks, num_kv_heads, block_size, 2 * head_size]"
+
+    def __init__(self, isa: str | None = None) -> None:
+        if isa is not None:
+            _check_isa(isa)
+        self.isa = isa
+
+    def __repr__(self) -> str:
+        return f"CpuAttnLayout(isa={self.isa!r})"
+
+    def kv_shape(self, kv_layer: torch.Tensor, block_size: int | None = None) -> tuple[int, int, int, int]:
+        _check_layer_tensor(self.name, kv_layer, 4, self._EXPECTED)
+        blocks, heads, tokens, width = kv_layer.shape
+        if width % 2:
+            raise ValueError(
+                f"{self.name}: last dim must be 2 * head_size (even), got shape {tuple(kv_layer.shape)}"
+            )
+        _check_block_size(self.name, tokens, block_size)
+        # The backend views each (block, head) as one [2N, D] run of memory;
+        # only the block and head strides may be arbitrary.
+        if (tokens > 1 and kv_layer.stride(2) != width) or (width > 1 and kv_layer.stride(3) != 1):
+            raise ValueError(
+                f"{self.name}: each (block, head) must be contiguous [block_size, 2 * head_size] memory, "
+                f"got strides {kv_layer.stride()} for shape {tuple(kv_layer.shape)}"
+            )
+        head_size = width // 2
+        if self.isa is None:
+            _check_isa(_vllm_cpu_isa(kv_layer.dtype, tokens, head_size))
+        return blocks, heads, tokens, head_size
+
+    def _kv_views(self, kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        blocks, heads, tokens, width = kv_layer.shape
+        dim = width // 2
+        halves = kv_layer.view(blocks, heads, 2, tokens * dim)  # [B, H, K|V, N*D]
+        k = halves[:, :, 0].unflatten(-1, (dim, tokens)).permute(0, 3, 1, 2)  # [B,H,D,N] -> [B,N,H,D]
+        v = halves[:, :, 1].unflatten(-1, (tokens, dim)).permute(0, 2, 1, 3)  # [B,H,N,D] -> [B,N,H,D]
+        return k, v
+
+
+class FlashAttnLayout(PagedLayout):
+    """vLLM's ``FLASH_ATTN`` layout: ``[2, num_blocks, block_size, num_kv_heads, head_size]``."""
+
+    name = "FLASH_ATTN"
+    _EXPECTED: ClassVar[str] = "[2, num_blocks, block_size, num_kv_heads, head_size]"
+
+    def kv_shape(self, kv_layer: torch.Tensor, block_size: int | None = None) -> tuple[int, int, int, int]:
+        _check_layer_tensor(self.name, kv_layer, 5, self._EXPECTED)
+        _check_kv_pair(self.name, kv_layer, 0, self._EXPECTED)
+        _, blocks, tokens, heads, head_size = kv_layer.shape
+        _check_block_size(self.name, tokens, block_size)
+        return blocks, heads, tokens, head_size
+
+    def _kv_views(self, kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return kv_layer[0], kv_layer[1]
+
+
+class FlashInferLayout(PagedLayout):
+    """vLLM's ``FLASHINFER`` (NHD) layout: ``[num_blocks, 2, block_size, num_kv_heads, head_size]``."""
+
+    name = "FLASHINFER"
+    _EXPECTED: ClassVar[str] = "[num_blocks, 2, block_size, num_kv_heads, head_size]"
+
+    def kv_shape(self, kv_layer: torch.Tensor, block_size: int | None = None) -> tuple[int, int, int, int]:
+        _check_layer_tensor(self.name, kv_layer, 5, self._EXPECTED)
+        _check_kv_pair(self.name, kv_layer, 1, self._EXPECTED)
+        blocks, _, tokens, heads, head_size = kv_layer.shape
+        _check_block_size(self.name, tokens, block_size)
+        return blocks, heads, tokens, head_size
+
+    def _kv_views(self, kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return kv_layer[:, 0], kv_layer[:, 1]
+
+
+# -- CPU kernel ISA -------------------------------------------------------------
+
+
+def _check_isa(isa: str) -> None:
+    if isa not in CpuAttnLayout.SUPPORTED_ISAS:
+        raise ValueError(
+            f"CPU_ATTN with the {isa!r} attention kernel is not supported: it packs K/V inside a block "
+            f"differently from the {'/'.join(CpuAttnLayout.SUPPORTED_ISAS)} kernels, the only ones "
+            "lmcache_mooncake can read and write"
+        )
+
+
+@lru_cache(maxsize=64)
+def _vllm_cpu_isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
+    """The CPU attention kernel vLLM uses for this geometry.
+
+    Inside a vLLM worker running CPU_ATTN the backend module is already
+    imported, so ask it. Otherwise (tests, tools) mirror vLLM 0.32's
+    ``_get_attn_isa`` rather than importing vLLM, which takes seconds.
+    """
+    backend = sys.modules.get("vllm.v1.attention.backends.cpu_attn")
+    if backend is not None and hasattr(backend, "_get_attn_isa"):
+        return str(backend._get_attn_isa(dtype, block_size, head_size))
+    if head_size % 32 != 0 and head_size % 16 == 0:
+        return "vec16"
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    if amx and dtype == torch.bfloat16 and block_size % 32 == 0:
+        return "amx"
+    machine = platform.machine().lower()
+    if machine not in ("x86_64", "amd64", "i686", "i386"):
+        return f"{machine} (non-x86)"
+    return "vec" if block_size % 32 == 0 else "vec16"
+
+
+# -- backend names --------------------------------------------------------------
+
+SUPPORTED_BACKENDS: tuple[str, ...] = ("CPU_ATTN", "FLASH_ATTN", "FLASHINFER")
+
+_WHY_NOT: dict[str, str] = {
+    # Pre-CPU_ATTN vLLM's CPU backend; its paged layout (x-packed keys) is
+    # different, and in current vLLM the name only tags ViT attention.
+    "TORCH_SDPA": "it is the old CPU backend (or, in current vLLM, a ViT-only tag) and its KV layout differs",
+}
+
+
+def layout_for_backend(backend_name: str, *, cpu_isa: str | None = None) -> PagedLayout:
+    """The paged layout of vLLM attention backend ``backend_name`` (e.g. ``backend.get_name()``).
+
+    Accepts ``"CPU_ATTN"``, ``"FLASH_ATTN"`` and ``"FLASHINFER"`` (case
+    insensitive). ``cpu_isa`` pins the CPU kernel for ``CPU_ATTN`` (see
+    :class:`CpuAttnLayout`); by default it is resolved from each tensor.
+    Raises ``ValueError`` naming the backend and the supported ones otherwise.
+    """
+    key = str(backend_name).strip().upper()
+    if key == "CPU_ATTN":
+        return CpuAttnLayout(cpu_isa)
+    if key == "FLASH_ATTN":
+        return FlashAttnLayout()
+    if key == "FLASHINFER":
+        return FlashInferLayout()
+    why = f" ({_WHY_NOT[key]})" if key in _WHY_NOT else ""
+    raise ValueError(
+        f"vLLM attention backend {backend_name!r} is not supported by lmcache_mooncake{why}. "
+        f"Supported backends: {', '.join(SUPPORTED_BACKENDS)}. Choose vLLM's attention backend with "
+        "--attention-backend (attention_config.backend), or VLLM_ATTENTION_BACKEND on older vLLM releases."
+    )
+
+
+# -- whole chunks ---------------------------------------------------------------
+
+
+def infer_kv_shape(
+    layout: PagedLayout, kv_caches: Sequence[torch.Tensor], block_size: int | None = None
+) -> KVShape:
+    """Validate that all layers are ``layout`` with one geometry, dtype and device; return it.
+
+    Raises ``ValueError`` if ``kv_caches`` is empty or the layers disagree.
+    """
+    if len(kv_caches) == 0:
+        raise ValueError("kv_caches is empty: expected one paged KV tensor per layer")
+    first = kv_caches[0]
+    shape = layout.kv_shape(first, block_size)
+    for i, kv in enumerate(kv_caches[1:], start=1):
+        if layout.kv_shape(kv, block_size) != shape or kv.dtype != first.dtype or kv.device != first.device:
+            raise ValueError(
+                f"{layout.name}: layer {i} ({tuple(kv.shape)}, {kv.dtype}, {kv.device}) differs from "
+                f"layer 0 ({tuple(first.shape)}, {first.dtype}, {first.device})"
+            )
+    _, heads, tokens, head_size = shape
+    return KVShape(
+        num_layers=len(kv_caches),
+        num_kv_heads=heads,
+        head_size=head_size,
+        block_size=tokens,
+        dtype=first.dtype,
+    )
+
+
+def gather_chunk(
+    layout: PagedLayout, kv_caches: Sequence[torch.Tensor], slots: torch.Tensor, out: torch.Tensor
+) -> None:
+    """Copy the tokens at ``slots`` from every layer into ``out`` ``[2, L, T, H * D]`` (``KV_2LTD``).
+
+    ``kv_caches``: the ``L`` per-layer paged tensors, in layer order, all of
+    one geometry. Same slot and buffer rules as :meth:`PagedLayout.gather`.
+    """
+    shape = infer_kv_shape(layout, kv_caches)
+    first = kv_caches[0]
+    slots = _check_slots(slots, _num_slots(layout, first), first.device)
+    _check_buffer("out", out, shape.chunk_shape(slots.numel()), first)
+    for layer, kv, plan in _plans(layout, kv_caches, slots, shape.block_size):
+        _gather_side(kv, plan.k, out[0, layer])
+        _gather_side(kv, plan.v, out[1, layer])
+
+
+def scatter_chunk(
+    layout: PagedLayout, kv_caches: Sequence[torch.Tensor], slots: torch.Tensor, src: torch.Tensor
+) -> None:
+    """Write ``src`` ``[2, L, T, H * D]`` into every layer at ``slots``; the inverse of :func:`gather_chunk`.
+
+    Nothing else in any layer's storage changes. ``src`` may have any strides
+    (e.g. a token range sliced out of a bigger chunk).
+    """
+    shape = infer_kv_shape(layout, kv_caches)
+    first = kv_caches[0]
+    slots = _check_slots(slots, _num_slots(layout, first), first.device)
+    _check_buffer("src", src, shape.chunk_shape(slots.numel()), first)
+    for layer, kv, plan in _plans(layout, kv_caches, slots, shape.block_size):
+        _scatter_side(kv, plan.k, src[0, layer])
+        _scatter_side(kv, plan.v, src[1, layer])
+
+
+def _num_slots(layout: PagedLayout, kv: torch.Tensor) -> int:
+    blocks, _, tokens, _ = layout.kv_shape(kv)
+    return blocks * tokens
+
+
+def _plans(
+    layout: PagedLayout, kv_caches: Sequence[torch.Tensor], slots: torch.Tensor, block_size: int
+) -> Iterator[tuple[int, torch.Tensor, _Plan]]:
+    """Yield ``(layer, tensor, plan)``; layers of one shape and strides share a plan."""
+    cache: dict[tuple[tuple[int, ...], tuple[int, ...]], _Plan] = {}
+    for layer, kv in enumerate(kv_caches):
+        key = (tuple(kv.shape), kv.stride())
+        plan = cache.get(key)
+        if plan is None:
+            plan = cache[key] = layout._plan(kv, slots, block_size)
+        yield layer, kv, plan
+
+
+# -- argument checks --------------------------------------------------------------
+
+
+def _check_slots(slots: torch.Tensor, num_slots: int, device: torch.device) -> torch.Tensor:
+    if not isinstance(slots, torch.Tensor) or slots.dim() != 1:
+        raise ValueError(f"slots must be a 1-D tensor, got {getattr(slots, 'shape', type(slots).__name__)}")
+    if slots.dtype.is_floating_point or slots.dtype.is_complex or slots.dtype == torch.bool:
+        raise ValueError(f"slots must be an integer tensor, got {slots.dtype}")
+    if slots.device.type == "cpu" and slots.numel() > 0:
+        lo, hi = int(slots.min()), int(slots.max())
+        if lo < 0 or hi >= num_slots:
+            raise ValueError(f"slots must be in [0, {num_slots}), got values in [{lo}, {hi}]")
+    return slots.to(device=device, dtype=torch.int64, non_blocking=True)
+
+
+def _check_buffer(what: str, buf: torch.Tensor, shape: Sequence[int], kv: torch.Tensor) -> None:
+    if not isinstance(buf, torch.Tensor):
+        raise ValueError(f"{what} must be a torch.Tensor, got {type(buf).__name__}")
+    if tuple(buf.shape) != tuple(shape):
+        raise ValueError(f"{what} must have shape {tuple(shape)}, got {tuple(buf.shape)}")
+    if buf.dtype != kv.dtype:
+        raise ValueError(f"{what} dtype {buf.dtype} differs from the KV cache's {kv.dtype}")
+    if buf.device != kv.device:
+        raise ValueError(f"{what} is on {buf.device} but the KV cache is on {kv.device}")

