@@ -1,11 +1,19 @@
 """Time gather/scatter of one chunk between paged KV and a KV_2LTD buffer, per layout.
 
 Qwen2-0.5B geometry by default: 24 layers, 2 KV heads of 64, bf16, blocks of
-128 tokens, 2000 blocks per layer, chunks of 256 tokens. Each layout is timed
-on two slot patterns: ``blocks`` (the chunk fills two whole blocks picked at
-random, which is what a 256-token chunk looks like in vLLM) and
-``scattered`` (256 random slots anywhere: the worst case). The baseline is a
-plain contiguous ``copy_`` of the same number of bytes, timed in the same run.
+128 tokens, 2000 blocks per layer, chunks of 256 tokens. The paged tensors
+are allocated the way vLLM 0.32's model runner does (one flat buffer viewed
+per layer by ``vllm.v1.kv_cache_interface.create_kv_cache_views``), so they
+have vLLM's real strides. Layouts timed: ``CPU_ATTN`` (in ``LBHNC``, the only
+physical order the CPU backend allows) and the layout the GPU backends share
+(``FLASH_ATTN`` / ``FLASHINFER`` / ``TRITON_ATTN``, rows ``GPU/...``) in each
+physical order given by ``--kv-layouts`` (default: ``LBNHC`` = NHD, vLLM's
+default; ``LBHNC`` = HND; ``BLNHC``, block-outer: every block holds all the
+layers' pages). Each is timed on two slot patterns: ``blocks`` (the chunk
+fills two whole blocks picked at random, which is what a 256-token chunk
+looks like in vLLM) and ``scattered`` (256 random slots anywhere: the worst
+case). The baseline is a plain contiguous ``copy_`` of the same number of
+bytes, timed in the same run.
 
     .venv/bin/python benchmarks/layout_copy.py [--json PATH]
 """
@@ -27,8 +35,7 @@ import torch
 
 from lmcache_mooncake.layouts import (
     CpuAttnLayout,
-    FlashAttnLayout,
-    FlashInferLayout,
+    GpuPagedLayout,
     PagedLayout,
     gather_chunk,
     scatter_chunk,
@@ -37,14 +44,48 @@ from lmcache_mooncake.layouts import (
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "layout_copy.json"
 
 
-def paged_shape(
-    layout: PagedLayout, blocks: int, heads: int, block_size: int, head_size: int
-) -> tuple[int, ...]:
-    if isinstance(layout, CpuAttnLayout):
-        return (blocks, heads, block_size, 2 * head_size)
-    if isinstance(layout, FlashAttnLayout):
-        return (2, blocks, block_size, heads, head_size)
-    return (blocks, 2, block_size, heads, head_size)
+def vllm_kv_caches(
+    kv_layout: str,
+    layers: int,
+    blocks: int,
+    heads: int,
+    block_size: int,
+    head_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """Per-layer ``[B, H, N, 2D]`` views of one allocation, as vLLM 0.32 builds them.
+
+    Strides as in ``get_kv_cache_config_from_groups`` (vllm/v1/core/kv_cache_utils.py),
+    views as in ``allocate_kv_cache`` (vllm/v1/worker/utils.py). The buffer is
+    uninitialised on purpose: only the pages a chunk touches get materialised
+    (filling 24 x 125 MiB first would dominate the run); the round-trip check
+    writes the chunk before reading it.
+    """
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheTensor,
+        compute_layout_strides,
+        create_kv_cache_views,
+    )
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    layout = KVCacheLayout[kv_layout]
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=dtype)
+    bytes_per_block = layers * spec.page_size_bytes
+    interleaved = bytes_per_block if layout.is_block_outermost else None
+    layer_stride, block_stride, *_ = compute_layout_strides(
+        spec, blocks, layers, layout, fixed_strides=(None, interleaved, None, None, None)
+    )
+    size = bytes_per_block * blocks
+    raw = torch.empty(size, dtype=torch.int8, device=device)
+    tensor = KVCacheTensor(
+        size=size,
+        layers=[f"layer.{i}" for i in range(layers)],
+        layer_stride=layer_stride,
+        block_stride=block_stride,
+    )
+    return create_kv_cache_views(raw, spec, blocks, layout, tensor)
 
 
 def timed_pairs(
@@ -83,6 +124,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=25)
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
+        "--kv-layouts",
+        default="LBNHC,LBHNC,BLNHC",
+        help="vLLM KVCacheLayout physical orders to time the GPU backends' layout in (comma-separated)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -114,18 +160,19 @@ def main() -> None:
 
     rows = []
     memcpy_times: list[float] = []
-    for layout in (CpuAttnLayout("vec"), FlashAttnLayout(), FlashInferLayout()):
-        shape = paged_shape(layout, args.blocks, args.kv_heads, n, args.head_size)
-        # Uninitialised on purpose: only the pages a chunk touches get materialised
-        # (filling 24 x 125 MiB first would dominate the run); the round-trip check
-        # below writes the chunk before reading it.
-        caches = [torch.empty(shape, dtype=dtype, device=device) for _ in range(args.layers)]
+    cases: list[tuple[PagedLayout, str]] = [(CpuAttnLayout("vec"), "LBHNC")]
+    cases += [(GpuPagedLayout(), name.strip()) for name in args.kv_layouts.split(",") if name.strip()]
+    for layout, kv_layout in cases:
+        label = f"{'CPU_ATTN' if isinstance(layout, CpuAttnLayout) else 'GPU'}/{kv_layout}"
+        caches = vllm_kv_caches(
+            kv_layout, args.layers, args.blocks, args.kv_heads, n, args.head_size, dtype, device
+        )
         for pattern, slots in patterns.items():
             slots = slots.to(device)
             scatter_chunk(layout, caches, slots, src)
             gather_chunk(layout, caches, slots, out)
             if not torch.equal(out.view(torch.int16), src.view(torch.int16)):
-                raise SystemExit(f"{layout.name}/{pattern}: gather after scatter did not round-trip")
+                raise SystemExit(f"{label}/{pattern}: gather after scatter did not round-trip")
             for op, fn in (
                 ("gather", partial(gather_chunk, layout, caches, slots, out)),
                 ("scatter", partial(scatter_chunk, layout, caches, slots, src)),
@@ -136,7 +183,7 @@ def main() -> None:
                 median_s = statistics.median(times)
                 rows.append(
                     {
-                        "layout": layout.name,
+                        "layout": label,
                         "op": op,
                         "pattern": pattern,
                         "median_ms": median_s * 1e3,
@@ -157,13 +204,13 @@ def main() -> None:
         f"({dtype}, block {n}, {args.blocks} blocks) = {chunk_bytes / 2**20:.2f} MiB; "
         f"{args.reps} reps, medians; torch {torch.__version__}, {torch.get_num_threads()} threads, {device}"
     )
-    print(f"{'layout':<11} {'op':<8} {'pattern':<10} {'ms':>8} {'GB/s':>8} {'of memcpy':>10}")
+    print(f"{'layout':<15} {'op':<8} {'pattern':<10} {'ms':>8} {'GB/s':>8} {'of memcpy':>10}")
     print(
-        f"{'memcpy':<11} {'copy_':<8} {'contiguous':<10} {memcpy_s * 1e3:>8.3f} {memcpy_gbps:>8.2f} {1.0:>9.2f}x"
+        f"{'memcpy':<15} {'copy_':<8} {'contiguous':<10} {memcpy_s * 1e3:>8.3f} {memcpy_gbps:>8.2f} {1.0:>9.2f}x"
     )
     for r in rows:
         print(
-            f"{r['layout']:<11} {r['op']:<8} {r['pattern']:<10} {r['median_ms']:>8.3f} "
+            f"{r['layout']:<15} {r['op']:<8} {r['pattern']:<10} {r['median_ms']:>8.3f} "
             f"{r['gb_per_s']:>8.2f} {r['of_memcpy']:>9.3f}x"
         )
 

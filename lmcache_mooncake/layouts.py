@@ -7,40 +7,70 @@ tokens over ``L`` layers, a ``[2, L, T, H * D]`` tensor (``[0]`` = K,
 Per layer that is a ``[2, T, H * D]`` slice.
 
 A token's *slot* is ``block_id * block_size + offset_in_block``, as in vLLM's
-``slot_mapping``. Supported per-layer paged tensors (``B`` blocks of ``N``
-tokens):
+``slot_mapping``.
 
+vLLM 0.32 hands every attention backend, and a connector's
+``register_kv_caches``, the same *logical* per-layer tensor ``[B, H, N, C]``
+(``B`` blocks of ``N`` tokens, ``H`` KV heads, ``C = 2 * D`` elements of K
+then V for standard attention): ``allocate_kv_cache`` in
+``vllm/v1/worker/utils.py`` builds it with ``create_kv_cache_views`` in
+``vllm/v1/kv_cache_interface.py``. Its *physical* order is the engine-wide
+``KVCacheLayout`` (``vllm/v1/kv_cache_layout.py``), a permutation of
+``[L, B, H, N, C]`` with ``C`` always innermost: ``LBNHC`` ("NHD", the default
+when no backend states a preference), ``LBHNC`` ("HND"), ``LHBNC``, and the
+block-outer ``BLHNC``, ``BLNHC``, ``BHLNC`` where every block holds all the
+layers' pages, so a layer's block stride spans the other layers. Pages may
+also be padded. The per-layer tensor is therefore a strided view; the copies
+below follow its strides, so any of these orders works. How each backend
+reads the logical tensor:
+
+``FLASH_ATTN``, ``FLASHINFER``, ``TRITON_ATTN`` (:class:`GpuPagedLayout`)
+    ``key_cache, value_cache = kv.transpose(1, 2).split(D, dim=-1)``, i.e. K
+    of (block ``b``, head ``h``, offset ``o``) is ``kv[b, h, o, :D]`` and V is
+    ``kv[b, h, o, D:]``; the cache writes put token ``slot`` at block
+    ``slot // N``, offset ``slot % N`` of those ``[B, N, H, D]`` views.
+    vLLM 0.32: ``vllm/v1/attention/backends/flash_attn.py`` (``forward`` and
+    ``do_kv_cache_update``), ``flashinfer.py`` (``forward`` permutes to the
+    physical order before the same split; ``do_kv_cache_update``),
+    ``triton_attn.py`` (``forward``, ``do_kv_cache_update``), and the write
+    kernel ``vllm/v1/attention/ops/triton_reshape_and_cache_flash.py``. These
+    backends accept any ``KVCacheLayout`` (FlashInfer on SM100 asks for
+    ``LBHNC`` / ``BLHNC``). Quantized caches (FP8, NVFP4, per-token-head
+    INT8/FP8/INT4 with inline scales) are refused by dtype.
 ``CPU_ATTN`` (vLLM's CPU backend, ``vec`` / ``vec16`` kernels)
-    ``[B, H, N, 2 * D]``. The kernel views it as ``[B, H, 2N, D]`` and splits
+    The same logical ``[B, H, N, 2 * D]`` tensor, but the backend only allows
+    ``LBHNC`` (``supported_kv_cache_layouts`` in
+    ``vllm/v1/attention/backends/cpu_attn.py``), so each (block, head) is one
+    contiguous run, which the kernel re-views as ``[B, H, 2N, D]`` and splits
     ``.chunk(2, dim=2)``: per (block, head) the first ``N * D`` elements are K
     and the next ``N * D`` are V. V is token-major (``[N, D]``: V of offset
     ``o`` is row ``o``), but K is stored *column-major* (``[D, N]``: element
     ``d`` of offset ``o`` is at ``d * N + o``), so that the QK kernel reads
     one head dimension for all tokens of a block at once. This was checked
     against vLLM 0.32's own ``cpu_attn_reshape_and_cache`` (see the tests);
-    note that K is *not* ``k_half[b, h, o, :]`` of the ``[B, H, 2N, D]`` view.
+    note that K is *not* ``kv[b, h, o, :D]`` as on the GPU backends.
     Other kernels are refused rather than misread: AMX (bf16 on CPUs with
     AMX) packs K and V into tile layouts, and the NEON / VSX / VXE / RVV
     packings are not verified here.
-``FLASH_ATTN``
-    ``[2, B, N, H, D]`` (``[0]`` = K, ``[1]`` = V).
-``FLASHINFER``
-    ``[B, 2, N, H, D]`` (``[:, 0]`` = K, ``[:, 1]`` = V).
 
-These two GPU layouts are the 5-D ones of vLLM releases before its
-``KVCacheLayout`` rework. vLLM 0.32 hands every backend a 4-D logical
-``[B, H, N, C]`` view instead (for these two, K and V split on the last dim),
-which their ``kv_shape`` rejects with ``ValueError`` rather than misreading.
+vLLM may split each scheduler block of ``M`` tokens into ``M / N`` kernel
+blocks of ``N`` tokens (``prepare_kernel_block_sizes`` in
+``vllm/v1/worker/utils.py``); the tensor then has ``B * M / N`` blocks of
+``N`` tokens, and block ``b`` is kernel blocks ``b * M / N`` onwards, so a
+slot ``b * M + o`` is the same token either way and slots need no
+translation. ``kv_shape`` therefore accepts a ``block_size`` that is a
+multiple of the tensor's.
 
 How the copies work: every layout exposes K and V as strided ``[B, N, H, D]``
 views of its tensor (no copy). From their strides we compute, once per chunk,
 the storage offsets of each token's K and V, in the largest contiguous unit
 the layout allows (a whole ``H * D`` token row, one ``D`` head row, or single
-elements), and move data with one ``index_select(..., out=...)`` (gather) or
-``index_copy_`` (scatter) per layer and per K/V. No per-token Python loops and
-no intermediate chunk-sized copies when the buffers are contiguous. Paged
-tensors may be non-contiguous views (e.g. one layer of a cross-layer
-allocation, or padded pages) as long as the layout's own view is expressible.
+elements; in the GPU layout K and V alternate every ``D`` elements, so it is
+a head row unless padding misaligns it), and move data with one
+``index_select(..., out=...)`` (gather) or ``index_copy_`` (scatter) per layer
+and per K/V. No per-token Python loops and no intermediate chunk-sized copies
+when the buffers are contiguous. Layers sharing shape and strides (all of
+vLLM's, in every physical order) share the offsets.
 
 Slots must be distinct and within ``[0, B * N)``. Duplicate slots are not
 expected (vLLM never maps two tokens to one slot): gather would just copy the
@@ -63,11 +93,11 @@ from typing import ClassVar
 import torch
 
 __all__ = [
+    "GPU_BACKENDS",
     "SUPPORTED_BACKENDS",
     "SUPPORTED_DTYPES",
     "CpuAttnLayout",
-    "FlashAttnLayout",
-    "FlashInferLayout",
+    "GpuPagedLayout",
     "KVShape",
     "PagedLayout",
     "gather_chunk",
@@ -203,15 +233,19 @@ class PagedLayout(ABC):
     ``scatter`` are shared. Layout objects are immutable and thread-safe.
     """
 
-    name: ClassVar[str]
+    name: str
+    """The vLLM attention backend name (``backend.get_name()``) this layout is for."""
 
     @abstractmethod
     def kv_shape(self, kv_layer: torch.Tensor, block_size: int | None = None) -> tuple[int, int, int, int]:
         """``(num_blocks, num_kv_heads, block_size, head_size)`` of one layer's paged tensor.
 
         Raises ``ValueError`` (saying what was expected) if ``kv_layer`` can't
-        be this layout: wrong rank, dtype, or memory order, or a block size
-        different from ``block_size`` when that is given.
+        be this layout: wrong rank, dtype, or memory order, or (when
+        ``block_size``, vLLM's scheduler block size, is given) blocks whose
+        size does not divide it. The returned block size is the tensor's,
+        which is smaller than ``block_size`` when vLLM split blocks into
+        kernel blocks (see the module docstring); slots are the same either way.
         """
 
     @abstractmethod
@@ -285,18 +319,19 @@ def _check_layer_tensor(layout: str, kv: torch.Tensor, rank: int, expected: str)
 
 
 def _check_block_size(layout: str, found: int, block_size: int | None) -> None:
-    if block_size is not None and found != block_size:
+    if block_size is not None and (block_size <= 0 or block_size % found):
         raise ValueError(
-            f"{layout}: the paged KV tensor holds blocks of {found} tokens, "
-            f"but block_size={block_size} was expected"
+            f"{layout}: the paged KV tensor holds blocks of {found} tokens, but block_size={block_size} "
+            f"was expected (or a multiple of {found}, when vLLM splits blocks into kernel blocks)"
         )
 
 
-def _check_kv_pair(layout: str, kv: torch.Tensor, dim: int, expected: str) -> None:
-    if kv.shape[dim] != 2:
-        raise ValueError(
-            f"{layout}: expected dim {dim} of size 2 (K, V) in {expected}, got shape {tuple(kv.shape)}"
-        )
+def _check_width(layout: str, kv: torch.Tensor) -> int:
+    """``head_size`` of a ``[..., 2 * head_size]`` tensor (K and V of equal size)."""
+    width = kv.shape[-1]
+    if width % 2:
+        raise ValueError(f"{layout}: last dim must be 2 * head_size (even), got shape {tuple(kv.shape)}")
+    return width // 2
 
 
 class CpuAttnLayout(PagedLayout):
@@ -324,10 +359,7 @@ class CpuAttnLayout(PagedLayout):
     def kv_shape(self, kv_layer: torch.Tensor, block_size: int | None = None) -> tuple[int, int, int, int]:
         _check_layer_tensor(self.name, kv_layer, 4, self._EXPECTED)
         blocks, heads, tokens, width = kv_layer.shape
-        if width % 2:
-            raise ValueError(
-                f"{self.name}: last dim must be 2 * head_size (even), got shape {tuple(kv_layer.shape)}"
-            )
+        head_size = _check_width(self.name, kv_layer)
         _check_block_size(self.name, tokens, block_size)
         # The backend views each (block, head) as one [2N, D] run of memory;
         # only the block and head strides may be arbitrary.
@@ -336,7 +368,6 @@ class CpuAttnLayout(PagedLayout):
                 f"{self.name}: each (block, head) must be contiguous [block_size, 2 * head_size] memory, "
                 f"got strides {kv_layer.stride()} for shape {tuple(kv_layer.shape)}"
             )
-        head_size = width // 2
         if self.isa is None:
             _check_isa(_vllm_cpu_isa(kv_layer.dtype, tokens, head_size))
         return blocks, heads, tokens, head_size
@@ -350,38 +381,41 @@ class CpuAttnLayout(PagedLayout):
         return k, v
 
 
-class FlashAttnLayout(PagedLayout):
-    """vLLM's ``FLASH_ATTN`` layout: ``[2, num_blocks, block_size, num_kv_heads, head_size]``."""
+class GpuPagedLayout(PagedLayout):
+    """vLLM 0.32's GPU layout: logical ``[B, H, N, 2D]``, K then V in each (block, head, offset) row.
 
-    name = "FLASH_ATTN"
-    _EXPECTED: ClassVar[str] = "[2, num_blocks, block_size, num_kv_heads, head_size]"
+    Used by ``FLASH_ATTN``, ``FLASHINFER`` and ``TRITON_ATTN`` alike; ``backend``
+    only names the layout in messages. Each of them splits the per-layer
+    tensor with ``kv_cache.transpose(1, 2).split(head_size, dim=-1)`` into
+    ``[B, N, H, D]`` K and V caches (``vllm/v1/attention/backends/flash_attn.py``,
+    ``flashinfer.py``, ``triton_attn.py``), and ``reshape_and_cache_flash``
+    writes token ``slot`` at ``[slot // N, slot % N]`` of them. The tensor may
+    have any strides (vLLM's ``KVCacheLayout`` decides them, see the module
+    docstring); nothing here depends on which physical order it is.
+    """
+
+    _EXPECTED: ClassVar[str] = "[num_blocks, num_kv_heads, block_size, 2 * head_size]"
+
+    def __init__(self, backend: str = "FLASH_ATTN") -> None:
+        key = str(backend).strip().upper()
+        if key not in GPU_BACKENDS:
+            raise ValueError(f"GpuPagedLayout is the layout of {', '.join(GPU_BACKENDS)}, not {backend!r}")
+        self.name = key
+
+    def __repr__(self) -> str:
+        return f"GpuPagedLayout({self.name!r})"
 
     def kv_shape(self, kv_layer: torch.Tensor, block_size: int | None = None) -> tuple[int, int, int, int]:
-        _check_layer_tensor(self.name, kv_layer, 5, self._EXPECTED)
-        _check_kv_pair(self.name, kv_layer, 0, self._EXPECTED)
-        _, blocks, tokens, heads, head_size = kv_layer.shape
+        _check_layer_tensor(self.name, kv_layer, 4, self._EXPECTED)
+        blocks, heads, tokens, _ = kv_layer.shape
+        head_size = _check_width(self.name, kv_layer)
         _check_block_size(self.name, tokens, block_size)
         return blocks, heads, tokens, head_size
 
     def _kv_views(self, kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return kv_layer[0], kv_layer[1]
-
-
-class FlashInferLayout(PagedLayout):
-    """vLLM's ``FLASHINFER`` (NHD) layout: ``[num_blocks, 2, block_size, num_kv_heads, head_size]``."""
-
-    name = "FLASHINFER"
-    _EXPECTED: ClassVar[str] = "[num_blocks, 2, block_size, num_kv_heads, head_size]"
-
-    def kv_shape(self, kv_layer: torch.Tensor, block_size: int | None = None) -> tuple[int, int, int, int]:
-        _check_layer_tensor(self.name, kv_layer, 5, self._EXPECTED)
-        _check_kv_pair(self.name, kv_layer, 1, self._EXPECTED)
-        blocks, _, tokens, heads, head_size = kv_layer.shape
-        _check_block_size(self.name, tokens, block_size)
-        return blocks, heads, tokens, head_size
-
-    def _kv_views(self, kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return kv_layer[:, 0], kv_layer[:, 1]
+        # vLLM's own split: (B, H, N, 2D) -> ((B, N, H, D), (B, N, H, D)).
+        key_cache, value_cache = kv_layer.transpose(1, 2).split(kv_layer.shape[-1] // 2, dim=-1)
+        return key_cache, value_cache
 
 
 # -- CPU kernel ISA -------------------------------------------------------------
@@ -420,35 +454,42 @@ def _vllm_cpu_isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
 
 # -- backend names --------------------------------------------------------------
 
-SUPPORTED_BACKENDS: tuple[str, ...] = ("CPU_ATTN", "FLASH_ATTN", "FLASHINFER")
+GPU_BACKENDS: tuple[str, ...] = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN")
+SUPPORTED_BACKENDS: tuple[str, ...] = ("CPU_ATTN", *GPU_BACKENDS)
 
 _WHY_NOT: dict[str, str] = {
     # Pre-CPU_ATTN vLLM's CPU backend; its paged layout (x-packed keys) is
     # different, and in current vLLM the name only tags ViT attention.
     "TORCH_SDPA": "it is the old CPU backend (or, in current vLLM, a ViT-only tag) and its KV layout differs",
+    "FLASH_ATTN_DIFFKV": "its K and V have different head sizes",
+    "TRITON_ATTN_DIFFKV": "its K and V have different head sizes",
 }
 
 
 def layout_for_backend(backend_name: str, *, cpu_isa: str | None = None) -> PagedLayout:
-    """The paged layout of vLLM attention backend ``backend_name`` (e.g. ``backend.get_name()``).
+    """The paged layout of vLLM 0.32 attention backend ``backend_name`` (e.g. ``backend.get_name()``).
 
-    Accepts ``"CPU_ATTN"``, ``"FLASH_ATTN"`` and ``"FLASHINFER"`` (case
-    insensitive). ``cpu_isa`` pins the CPU kernel for ``CPU_ATTN`` (see
+    Accepts ``"CPU_ATTN"`` (:class:`CpuAttnLayout`) and ``"FLASH_ATTN"``,
+    ``"FLASHINFER"``, ``"TRITON_ATTN"`` (:class:`GpuPagedLayout`), case
+    insensitive. ``cpu_isa`` pins the CPU kernel for ``CPU_ATTN`` (see
     :class:`CpuAttnLayout`); by default it is resolved from each tensor.
     Raises ``ValueError`` naming the backend and the supported ones otherwise.
     """
     key = str(backend_name).strip().upper()
     if key == "CPU_ATTN":
         return CpuAttnLayout(cpu_isa)
-    if key == "FLASH_ATTN":
-        return FlashAttnLayout()
-    if key == "FLASHINFER":
-        return FlashInferLayout()
-    why = f" ({_WHY_NOT[key]})" if key in _WHY_NOT else ""
+    if key in GPU_BACKENDS:
+        return GpuPagedLayout(key)
+    if key in _WHY_NOT:
+        why = f" ({_WHY_NOT[key]})"
+    elif "MLA" in key:
+        why = " (MLA backends cache one compressed latent per token, not K and V)"
+    else:
+        why = ""
     raise ValueError(
         f"vLLM attention backend {backend_name!r} is not supported by lmcache_mooncake{why}. "
         f"Supported backends: {', '.join(SUPPORTED_BACKENDS)}. Choose vLLM's attention backend with "
-        "--attention-backend (attention_config.backend), or VLLM_ATTENTION_BACKEND on older vLLM releases."
+        "--attention-backend (attention_config.backend)."
     )
 
 

@@ -10,8 +10,9 @@ Four fresh vLLM processes share one disk-tier folder:
   right, the damaged chunk (and what follows it) is not a hit, and the
   verification failure is counted.
 
-vLLM's own prefix cache is off in every run so that every reported hit comes
-from our tiers.
+vLLM's own prefix cache is off in A and C, so every reported hit comes from
+our tiers; B runs with it on, and its prompts are ordered so that only z
+gets a local hit (then combined with a load from our tiers).
 """
 
 from __future__ import annotations
@@ -45,15 +46,18 @@ def _prompts() -> dict[str, list[int]]:
         "plus": rand(2 * CHUNK + 18),  # two chunks and a few tokens
         "x": x,  # stored by A ...
         "y": x[:400] + rand(200),  # ... y shares x's first 400 tokens: diverges mid-chunk 1
+        # z shares x's first 450 tokens: after x, vLLM's own prefix cache holds
+        # z's first 3 blocks (384 tokens) and our tiers the rest.
+        "z": x[:450] + rand(300),
         "salted": rand(300),
     }
 
 
 P = _prompts()
 # (prompt, salt) sent by each run; A stores, B and C read.
-RUN_A = [("short", None), ("exact", None), ("plus", None), ("x", None), ("salted", "tenant-a")]
+RUN_A = [("short", None), ("exact", None), ("plus", None), ("x", None), ("z", None), ("salted", "tenant-a")]
 RUN_B = [("short", None), ("exact", None), ("plus", None), ("y", None),
-         ("salted", "tenant-b"), ("salted", "tenant-a")]
+         ("salted", "tenant-b"), ("salted", "tenant-a"), ("x", None), ("z", None)]
 RUN_C = [("exact", None), ("plus", None)]
 ALL = sorted({name for run in (RUN_A, RUN_B, RUN_C) for name, _ in run})
 
@@ -76,7 +80,8 @@ def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("e2e")
 
 
-def _run(model: Path, work: Path, name: str, plan, *, disk: Path | None, role: str | None = "kv_both"):
+def _run(model: Path, work: Path, name: str, plan, *, disk: Path | None, role: str | None = "kv_both",
+         prefix_caching: bool = False):
     extra = {"max_local_cpu_size": 0.5, "run_dir": str(work / name / "run")}
     if disk is not None:
         extra["local_disk"] = str(disk)
@@ -86,7 +91,7 @@ def _run(model: Path, work: Path, name: str, plan, *, disk: Path | None, role: s
         cache_salts=[s for _, s in plan],
         kv_role=role,
         extra_config=extra,
-        prefix_caching=False,
+        prefix_caching=prefix_caching,
         max_tokens=12,
     )
     results = run_instance(spec, work / name)
@@ -112,7 +117,7 @@ def run_a(model, work, disk):
 
 @pytest.fixture(scope="module")
 def run_b(model, work, disk, run_a):
-    return _run(model, work, "B", RUN_B, disk=disk)
+    return _run(model, work, "B", RUN_B, disk=disk, prefix_caching=True)
 
 
 def test_outputs_are_prompt_dependent(baseline):
@@ -124,10 +129,13 @@ def test_writer_matches_recompute_and_stores_chunks(baseline, run_a, disk):
     results, stats = run_a
     for (name, _), r in results.items():
         assert r.output_ids == baseline[name], name
-        assert r.cached_tokens == 0, name  # fresh tiers: nothing to hit
-    # short: 1 partial; exact: 2; plus: 2 + 1 partial; x: 2 + 1 partial; salted: 1 + 1 partial
-    assert len(list(disk.glob("*/*.lmcm"))) == 11
-    assert stats["disk_writes"] == 11
+        # Fresh tiers: nothing to hit, except z's first chunk, which x stored
+        # earlier in this process (a CPU-tier hit).
+        assert r.cached_tokens == (CHUNK if name == "z" else 0), name
+    # short: 1 partial; exact: 2; plus: 2 + 1 partial; x: 2 + 1 partial;
+    # z: 1 + 1 partial (chunk 0 is x's); salted: 1 + 1 partial
+    assert len(list(disk.glob("*/*.lmcm"))) == 13
+    assert stats["disk_writes"] == 13
 
 
 def test_fresh_process_loads_and_matches_recompute(baseline, run_b):
@@ -141,7 +149,10 @@ def test_fresh_process_loads_and_matches_recompute(baseline, run_b):
     assert cached[("plus", None)] == 2 * CHUNK + 17
     # y shares x's first full chunk; from the divergence (token 400) on, nothing hits.
     assert cached[("y", None)] == CHUNK
-    assert stats["disk_hits"] >= 1 + 2 + 3 + 1 + 2
+    assert cached[("x", None)] == 599
+    # z: 384 tokens from vLLM's prefix cache (x's blocks), the rest loaded.
+    assert cached[("z", None)] == 749
+    assert stats["disk_hits"] >= 1 + 2 + 3 + 1 + 2 + 3
 
 
 def test_cache_salt_separates_tenants(run_b):

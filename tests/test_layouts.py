@@ -1,12 +1,26 @@
-"""Paged KV layouts: vectorised gather/scatter agree with per-token references written from each definition.
+"""Paged KV layouts: vectorised gather/scatter agree with per-token references written from vLLM 0.32's code.
 
-The references below loop over tokens in Python and read the layouts straight
-from their definitions (see lmcache_mooncake/layouts.py). The CPU layout is
-also checked against vLLM's own cache-write kernel when vLLM is installed.
+Per-layer tensors are built the way vLLM 0.32's model runner builds them
+(``vllm.v1.kv_cache_interface.create_kv_cache_views`` over one flat int8
+allocation, in each ``KVCacheLayout``), so they carry vLLM's real strides:
+NHD or HND, other layers' pages interleaved between blocks, padded pages,
+kernel-block splitting. The references loop over tokens in Python:
+
+* GPU backends (FLASH_ATTN, FLASHINFER, TRITON_ATTN): reads use the backends'
+  own split, ``kv_cache.transpose(1, 2).split(head_size, dim=-1)``
+  (``vllm/v1/attention/backends/flash_attn.py``, ``flashinfer.py``,
+  ``triton_attn.py``); writes port the address arithmetic of
+  ``reshape_and_cache_kernel_flash`` (``vllm/v1/attention/ops/
+  triton_reshape_and_cache_flash.py``) onto the tensor's raw storage.
+* CPU_ATTN: from the layout's definition, and checked against vLLM's own
+  cache-write kernel.
+
+Importing vLLM's KV cache module costs a few seconds, once.
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import importlib.util
 import os
@@ -19,9 +33,10 @@ from hypothesis import strategies as st
 
 from lmcache_mooncake import layouts
 from lmcache_mooncake.layouts import (
+    GPU_BACKENDS,
+    SUPPORTED_BACKENDS,
     CpuAttnLayout,
-    FlashAttnLayout,
-    FlashInferLayout,
+    GpuPagedLayout,
     KVShape,
     PagedLayout,
     gather_chunk,
@@ -30,21 +45,19 @@ from lmcache_mooncake.layouts import (
     scatter_chunk,
 )
 
-KINDS = ("CPU_ATTN", "FLASH_ATTN", "FLASHINFER")
+KINDS = ("CPU_ATTN", "FLASH_ATTN")  # FLASHINFER and TRITON_ATTN are the same layout object
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# vLLM 0.32's KVCacheLayout members (checked against vLLM below).
+VLLM_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+BLOCK_COMPACT = ("LBHNC", "LBNHC", "BLHNC", "BLNHC")  # the ones vLLM can pad pages in
+# The layout vLLM resolves for each backend when nothing else asks: CPU_ATTN
+# only supports LBHNC (cpu_attn.py); GPU backends take the default LBNHC (NHD).
+DEFAULT_LAYOUT = {"CPU_ATTN": "LBHNC", "FLASH_ATTN": "LBNHC"}
 
 
 def make_layout(kind: str) -> PagedLayout:
     # Pin the CPU kernel: the auto default would (correctly) refuse bf16 on AMX machines.
     return CpuAttnLayout("vec") if kind == "CPU_ATTN" else layout_for_backend(kind)
-
-
-def paged_shape(kind: str, blocks: int, heads: int, block_size: int, head_size: int) -> tuple[int, ...]:
-    if kind == "CPU_ATTN":
-        return (blocks, heads, block_size, 2 * head_size)
-    if kind == "FLASH_ATTN":
-        return (2, blocks, block_size, heads, head_size)
-    return (blocks, 2, block_size, heads, head_size)
 
 
 def rand(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
@@ -53,51 +66,130 @@ def rand(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> to
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     """Raw bits, so comparisons are bit-exact (-0.0 != 0.0, NaN == same NaN)."""
-    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+    return t.view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()])
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(bits(a), bits(b))
 
 
-# -- per-token references, from the layout definitions -----------------------------
+def storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """All of ``t``'s storage (every layer of an allocation) as bytes, sharing it."""
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+
+
+def same_view(t: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """The view ``t`` is of its storage, applied to ``other``'s storage."""
+    return torch.empty(0, dtype=t.dtype).set_(
+        other.untyped_storage(), t.storage_offset(), t.shape, t.stride()
+    )
+
+
+# -- building KV caches the way vLLM 0.32 does -------------------------------------------
+
+
+@functools.cache
+def _vllm_kv_modules():
+    kvi = pytest.importorskip("vllm.v1.kv_cache_interface")
+    kvl = pytest.importorskip("vllm.v1.kv_cache_layout")
+    return kvi, kvl.KVCacheLayout
+
+
+def vllm_kv_caches(
+    layout_name: str,
+    *,
+    layers: int,
+    blocks: int,
+    heads: int,
+    block_size: int,
+    head_size: int,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    page_pad: int = 0,
+    kernel_block_size: int | None = None,
+) -> list[torch.Tensor]:
+    """One KV cache group of ``layers`` full-attention layers, as vLLM 0.32's model runner allocates it.
+
+    The strides of the group's ``KVCacheTensor`` are those of
+    ``get_kv_cache_config_from_groups`` (``vllm/v1/core/kv_cache_utils.py``);
+    the buffer and the per-layer views are ``allocate_kv_cache``'s
+    (``vllm/v1/worker/utils.py``): one flat int8 tensor viewed per layer with
+    vLLM's own ``create_kv_cache_views``. ``page_pad`` pads every page by that
+    many elements (``page_size_padded``). The buffer is random, not zeros, so
+    stray writes show.
+    """
+    kvi, kv_cache_layout = _vllm_kv_modules()
+    layout = kv_cache_layout[layout_name]
+    spec = kvi.FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=dtype)
+    if page_pad:
+        padded = spec.page_size_bytes + page_pad * dtype.itemsize
+        spec = kvi.FullAttentionSpec(
+            block_size=block_size,
+            num_kv_heads=heads,
+            head_size=head_size,
+            dtype=dtype,
+            page_size_padded=padded,
+        )
+    bytes_per_block = layers * spec.page_size_bytes
+    interleaved_block_stride = bytes_per_block if layout.is_block_outermost else None
+    layer_stride, block_stride, *_ = kvi.compute_layout_strides(
+        spec, blocks, layers, layout, fixed_strides=(None, interleaved_block_stride, None, None, None)
+    )
+    size = bytes_per_block * blocks
+    raw = rand((size // dtype.itemsize,), dtype, gen).view(torch.int8)
+    tensor = kvi.KVCacheTensor(
+        size=size,
+        layers=[f"model.layers.{i}.self_attn.attn" for i in range(layers)],
+        layer_stride=layer_stride,
+        block_stride=block_stride,
+    )
+    return kvi.create_kv_cache_views(raw, spec, blocks, layout, tensor, kernel_block_size=kernel_block_size)
+
+
+def default_caches(kind: str, **kw) -> list[torch.Tensor]:
+    return vllm_kv_caches(DEFAULT_LAYOUT[kind], **kw)
+
+
+# -- per-token references, from vLLM's code -------------------------------------------------
 
 
 def ref_read(kind: str, kv: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V ([H, D] each) of the token at ``slot``."""
+    _, heads, n, width = kv.shape
+    d = width // 2
+    blk, off = divmod(slot, n)
     if kind == "CPU_ATTN":
-        _, heads, n, width = kv.shape
-        d = width // 2
-        blk, off = divmod(slot, n)
         ks, vs = [], []
         for h in range(heads):
             flat = kv[blk, h].reshape(-1)  # the (block, head)'s N*2D elements
             ks.append(flat[torch.arange(d) * n + off])  # K is [D, N]: element d at d*N + o
             vs.append(flat[n * d + off * d : n * d + (off + 1) * d])  # V is [N, D] after K
         return torch.stack(ks), torch.stack(vs)
-    n = kv.shape[2]
-    blk, off = divmod(slot, n)
-    if kind == "FLASH_ATTN":
-        return kv[0, blk, off].clone(), kv[1, blk, off].clone()
-    return kv[blk, 0, off].clone(), kv[blk, 1, off].clone()
+    # flash_attn.py / flashinfer.py / triton_attn.py: (B, H, N, 2D) -> ((B, N, H, D), (B, N, H, D))
+    key_cache, value_cache = kv.transpose(1, 2).split(d, dim=-1)
+    return key_cache[blk, off].clone(), value_cache[blk, off].clone()
 
 
 def ref_write(kind: str, kv: torch.Tensor, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    _, heads, n, width = kv.shape
+    d = width // 2
+    blk, off = divmod(slot, n)
     if kind == "CPU_ATTN":
-        _, heads, n, width = kv.shape
-        d = width // 2
-        blk, off = divmod(slot, n)
         for h in range(heads):
             flat = kv[blk, h].view(-1)
             flat[torch.arange(d) * n + off] = k[h]
             flat[n * d + off * d : n * d + (off + 1) * d] = v[h]
         return
-    n = kv.shape[2]
-    blk, off = divmod(slot, n)
-    if kind == "FLASH_ATTN":
-        kv[0, blk, off], kv[1, blk, off] = k, v
-    else:
-        kv[blk, 0, off], kv[blk, 1, off] = k, v
+    # reshape_and_cache_kernel_flash (not head-major), element addresses from the
+    # split caches' pointers and strides, written into the raw storage:
+    #   tgt = block_idx * block_stride + block_offset * page_stride + head * head_stride + dim
+    key_cache, value_cache = kv.transpose(1, 2).split(d, dim=-1)
+    block_stride, page_stride, head_stride, _ = key_cache.stride()
+    storage = torch.empty(0, dtype=kv.dtype).set_(kv.untyped_storage())
+    for h in range(heads):
+        tgt = blk * block_stride + off * page_stride + h * head_stride + torch.arange(d)
+        storage[key_cache.storage_offset() + tgt] = k[h]
+        storage[value_cache.storage_offset() + tgt] = v[h]
 
 
 def ref_gather(kind: str, kv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -107,42 +199,61 @@ def ref_gather(kind: str, kv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor
     return torch.stack([k, v])  # [2, T, H*D]
 
 
-def ref_scatter(kind: str, kv: torch.Tensor, slots: torch.Tensor, src: torch.Tensor, heads: int) -> None:
+def ref_scatter(kind: str, kv: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
+    heads = kv.shape[1]
     for i, s in enumerate(slots.tolist()):
         ref_write(kind, kv, s, src[0, i].view(heads, -1), src[1, i].view(heads, -1))
+
+
+def test_vllm_layouts_are_the_ones_tested():
+    _, kv_cache_layout = _vllm_kv_modules()
+    assert sorted(m.name for m in kv_cache_layout) == sorted(VLLM_LAYOUTS)
+    assert sorted(m.name for m in kv_cache_layout if m.is_block_compact) == sorted(BLOCK_COMPACT)
+
+
+def test_gpu_references_agree():
+    """The read reference (the backends' split) sees what the write reference (the Triton kernel) wrote."""
+    gen = torch.Generator().manual_seed(1)
+    for name in VLLM_LAYOUTS:
+        kv = vllm_kv_caches(
+            name, layers=2, blocks=3, heads=2, block_size=4, head_size=3, dtype=torch.float32, gen=gen
+        )[1]
+        for slot in (0, 5, 11):
+            k, v = rand((2, 3), torch.float32, gen), rand((2, 3), torch.float32, gen)
+            ref_write("FLASH_ATTN", kv, slot, k, v)
+            got_k, got_v = ref_read("FLASH_ATTN", kv, slot)
+            assert same_bits(got_k, k) and same_bits(got_v, v), name
 
 
 # -- core properties ---------------------------------------------------------------
 
 
-def check_layer(kind: str, kv: torch.Tensor, slots: torch.Tensor, heads: int, head_size: int, gen) -> None:
-    """All four properties for one layer tensor (which may be a view of a bigger one)."""
-    layout = make_layout(kind)
-    t = slots.numel()
-    base = kv if kv._base is None else kv._base  # check the whole allocation stays intact
-    before = base.clone()
+def check_layer(kind: str, kv: torch.Tensor, slots: torch.Tensor, gen: torch.Generator) -> None:
+    """Gather matches the reference, round trip is bit-exact, and nothing but the slots changes.
 
-    out = torch.empty(2, t, heads * head_size, dtype=kv.dtype)
+    ``kv`` is one layer's view; "nothing else" covers its whole allocation
+    (other layers, padding).
+    """
+    layout = make_layout(kind)
+    _, heads, _, width = kv.shape
+    t, hidden = slots.numel(), heads * (width // 2)
+    mem = storage_bytes(kv)
+    before = mem.clone()
+
+    out = torch.empty(2, t, hidden, dtype=kv.dtype)
     layout.gather(kv, slots, out)
     assert same_bits(out, ref_gather(kind, kv, slots)), "gather differs from the per-token reference"
-    assert same_bits(base, before), "gather modified the paged tensor"
+    assert torch.equal(mem, before), "gather modified the paged tensor"
 
-    src = rand((2, t, heads * head_size), kv.dtype, gen)
+    src = rand((2, t, hidden), kv.dtype, gen)
     layout.scatter(kv, slots, src)
     back = torch.empty_like(out)
     layout.gather(kv, slots, back)
     assert same_bits(back, src), "scatter-then-gather did not round-trip"
 
     expected = before.clone()
-    exp_kv = expected.as_strided(kv.shape, kv.stride(), kv.storage_offset() - base.storage_offset())
-    ref_scatter(kind, exp_kv, slots, src, heads)
-    assert same_bits(base, expected), "scatter wrote outside its slots or differs from the reference"
-
-    fresh = torch.zeros_like(kv)
-    layout.scatter(fresh, slots, src)
-    ref_fresh = torch.zeros_like(kv)
-    ref_scatter(kind, ref_fresh, slots, src, heads)
-    assert same_bits(fresh, ref_fresh), "scatter into zeros differs from the per-token reference"
+    ref_scatter(kind, same_view(kv, expected), slots, src)
+    assert torch.equal(mem, expected), "scatter wrote outside its slots or differs from the reference"
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -150,55 +261,140 @@ def check_layer(kind: str, kv: torch.Tensor, slots: torch.Tensor, heads: int, he
 @pytest.mark.parametrize("num_tokens", [1, 7, 128, 256])
 def test_layer_properties(kind, block_size, num_tokens):
     gen = torch.Generator().manual_seed(num_tokens * 1000 + block_size)
-    heads, head_size = 2, 8
     blocks = -(-num_tokens // block_size) + 3  # slots are a strict random subset
-    kv = rand(paged_shape(kind, blocks, heads, block_size, head_size), torch.bfloat16, gen)
+    kv = default_caches(
+        kind,
+        layers=2,
+        blocks=blocks,
+        heads=2,
+        block_size=block_size,
+        head_size=8,
+        dtype=torch.bfloat16,
+        gen=gen,
+    )[1]
     slots = torch.randperm(blocks * block_size, generator=gen)[:num_tokens]
-    check_layer(kind, kv, slots, heads, head_size, gen)
+    check_layer(kind, kv, slots, gen)
 
 
-def strided_layer(kind: str, shape: tuple[int, ...], dtype: torch.dtype, gen) -> torch.Tensor:
-    """A non-contiguous layer view, like one layer of vLLM's cross-layer or padded-page allocations."""
-    if kind == "CPU_ATTN":
-        b, h, n, w = shape
-        # Blocks of 3 layers interleaved (block stride spans all layers), plus a padding head.
-        return rand((b, 3, h + 1, n, w), dtype, gen)[:, 1, :h]
-    # K/V, block and token strides all padded; rows of H*D are no longer contiguous.
-    padded = tuple(s + 1 for s in shape[:-1]) + (shape[-1] + 3,)
-    return rand(padded, dtype, gen)[tuple(slice(1, 1 + s) for s in shape)]
+@pytest.mark.parametrize(
+    ("name", "page_pad"), [(name, 0) for name in VLLM_LAYOUTS] + [(name, 3) for name in BLOCK_COMPACT]
+)
+def test_every_vllm_layout(name, page_pad):
+    gen = torch.Generator().manual_seed(VLLM_LAYOUTS.index(name) + 10 * page_pad)
+    caches = vllm_kv_caches(
+        name,
+        layers=3,
+        blocks=5,
+        heads=3,
+        block_size=16,
+        head_size=8,
+        dtype=torch.float16,
+        gen=gen,
+        page_pad=page_pad,
+    )
+    for kv in caches:
+        slots = torch.randperm(5 * 16, generator=gen)[:37]
+        check_layer("FLASH_ATTN", kv, slots, gen)
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     kind=st.sampled_from(KINDS),
+    name=st.sampled_from(VLLM_LAYOUTS),
     dtype=st.sampled_from(DTYPES),
+    layers=st.integers(1, 3),
     blocks=st.integers(1, 5),
     heads=st.integers(1, 3),
     block_size=st.sampled_from([1, 2, 3, 16]),
     head_size=st.sampled_from([1, 2, 8, 16]),
-    strided=st.booleans(),
-    frac=st.floats(0.0, 1.0),
-    seed=st.integers(0, 2**31 - 1),
+    page_pad=st.sampled_from([0, 0, 1, 5]),
+    data=st.data(),
 )
-def test_layer_properties_random(kind, dtype, blocks, heads, block_size, head_size, strided, frac, seed):
-    gen = torch.Generator().manual_seed(seed)
-    shape = paged_shape(kind, blocks, heads, block_size, head_size)
-    kv = strided_layer(kind, shape, dtype, gen) if strided else rand(shape, dtype, gen)
-    num_tokens = max(1, round(frac * blocks * block_size))
-    slots = torch.randperm(blocks * block_size, generator=gen)[:num_tokens]
-    check_layer(kind, kv, slots, heads, head_size, gen)
+def test_layer_properties_random(
+    kind, name, dtype, layers, blocks, heads, block_size, head_size, page_pad, data
+):
+    if kind == "CPU_ATTN":
+        name = "LBHNC"  # the only layout the CPU backend supports
+    if name not in BLOCK_COMPACT:
+        page_pad = 0
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1), label="seed"))
+    caches = vllm_kv_caches(
+        name,
+        layers=layers,
+        blocks=blocks,
+        heads=heads,
+        block_size=block_size,
+        head_size=head_size,
+        dtype=dtype,
+        gen=gen,
+        page_pad=page_pad,
+    )
+    kv = caches[data.draw(st.integers(0, layers - 1), label="layer")]
+    slots = data.draw(
+        st.lists(
+            st.integers(0, blocks * block_size - 1), min_size=1, max_size=blocks * block_size, unique=True
+        ),
+        label="slots",
+    )
+    check_layer(kind, kv, torch.tensor(slots), gen)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kernel_block_split(kind):
+    """vLLM splits scheduler blocks of 64 tokens into kernel blocks of 16; scheduler slots still work."""
+    kvi, _ = _vllm_kv_modules()
+    gen = torch.Generator().manual_seed(2)
+    blocks, m, n, heads, d = 3, 64, 16, 2, 8
+    caches = default_caches(
+        kind,
+        layers=2,
+        blocks=blocks,
+        heads=heads,
+        block_size=m,
+        head_size=d,
+        dtype=torch.bfloat16,
+        gen=gen,
+        kernel_block_size=n,
+    )
+    layout = make_layout(kind)
+    assert layout.kv_shape(caches[0], m) == (blocks * m // n, heads, n, d)
+    assert infer_kv_shape(layout, caches, m).block_size == n
+    # vLLM's slot mapping (block_table.py) uses the scheduler block size: block_id * 64 + pos % 64.
+    block_table, positions = torch.tensor([2, 0]), torch.arange(100)
+    manager_blocks = block_table[positions // m]
+    slots = manager_blocks * m + positions % m
+    out = torch.empty(2, 2, 100, heads * d, dtype=torch.bfloat16)
+    gather_chunk(layout, caches, slots, out)
+    for layer, kv in enumerate(caches):
+        # vLLM's own regrouping of kernel blocks under scheduler blocks: [3, 4, H, 16, 2D].
+        grouped = kvi.group_kernel_blocks(kv, blocks)
+        for i, (blk, pos) in enumerate(zip(manager_blocks.tolist(), positions.tolist(), strict=True)):
+            kernel_kv = grouped[blk, (pos % m) // n]  # one kernel block [H, 16, 2D]
+            k, v = ref_read(kind, kernel_kv[None], pos % n)
+            assert same_bits(out[0, layer, i], k.reshape(-1)) and same_bits(out[1, layer, i], v.reshape(-1))
+        check_layer(kind, kv, slots, gen)
 
 
 # -- whole chunks ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", KINDS)
+CHUNK_CASES = [
+    ("CPU_ATTN", "LBHNC"),
+    ("FLASH_ATTN", "LBNHC"),
+    ("FLASH_ATTN", "LBHNC"),
+    ("FLASH_ATTN", "BLNHC"),
+]
+
+
+@pytest.mark.parametrize(("kind", "name"), CHUNK_CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_chunk_gather_scatter(kind, dtype):
+def test_chunk_gather_scatter(kind, name, dtype):
     gen = torch.Generator().manual_seed(7)
     layers, blocks, heads, n, d, t = 3, 6, 2, 16, 8, 40
     layout = make_layout(kind)
-    caches = [rand(paged_shape(kind, blocks, heads, n, d), dtype, gen) for _ in range(layers)]
+    caches = vllm_kv_caches(
+        name, layers=layers, blocks=blocks, heads=heads, block_size=n, head_size=d, dtype=dtype, gen=gen
+    )
     slots = torch.randperm(blocks * n, generator=gen)[:t]
 
     out = torch.empty(2, layers, t, heads * d, dtype=dtype)
@@ -217,57 +413,69 @@ def test_chunk_gather_scatter(kind, dtype):
     assert same_bits(wide[..., : heads * d], out) and not bits(wide[..., heads * d :]).any()
 
     # Scatter a token range sliced out of a chunk, as the engine does on retrieve.
-    before = [kv.clone() for kv in caches]
+    mem = storage_bytes(caches[0])  # all layers share one allocation, as in vLLM
+    expected = mem.clone()
     src_full = rand((2, layers, t + 9, heads * d), dtype, gen)
     src = src_full[:, :, 4 : 4 + t]
     scatter_chunk(layout, caches, slots, src)
     for i, kv in enumerate(caches):
-        expected = before[i]
-        ref_scatter(kind, expected, slots, src[:, i].contiguous(), heads)
-        assert same_bits(kv, expected)
+        ref_scatter(kind, same_view(kv, expected), slots, src[:, i].contiguous())
+    assert torch.equal(mem, expected)
     gather_chunk(layout, caches, slots, out)
     assert same_bits(out, src)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_no_tokens_is_a_no_op(kind):
-    layout, kv = make_layout(kind), torch.randn(paged_shape(kind, 2, 2, 16, 8))
-    before = kv.clone()
+    gen = torch.Generator().manual_seed(4)
+    caches = default_caches(
+        kind, layers=2, blocks=2, heads=2, block_size=16, head_size=8, dtype=torch.float32, gen=gen
+    )
+    mem = storage_bytes(caches[0])
+    before = mem.clone()
     empty = torch.zeros(0, dtype=torch.long)
-    gather_chunk(layout, [kv], empty, torch.empty(2, 1, 0, 16))
-    scatter_chunk(layout, [kv], empty, torch.empty(2, 1, 0, 16))
-    assert same_bits(kv, before)
+    layout = make_layout(kind)
+    gather_chunk(layout, caches, empty, torch.empty(2, 2, 0, 16))
+    scatter_chunk(layout, caches, empty, torch.empty(2, 2, 0, 16))
+    assert torch.equal(mem, before)
 
 
 def test_chunk_layers_with_different_strides():
     """Layers need not share strides (each gets its own offsets)."""
     gen = torch.Generator().manual_seed(3)
-    shape = paged_shape("FLASH_ATTN", 4, 2, 16, 8)
-    caches = [rand(shape, torch.float16, gen), strided_layer("FLASH_ATTN", shape, torch.float16, gen)]
+    geometry = dict(layers=1, blocks=4, heads=2, block_size=16, head_size=8, dtype=torch.float16, gen=gen)
+    caches = [vllm_kv_caches(name, **geometry)[0] for name in ("LBNHC", "LHBNC", "BHLNC")]
+    assert len({kv.stride() for kv in caches}) == 3
     slots = torch.randperm(64, generator=gen)[:20]
-    out = torch.empty(2, 2, 20, 16, dtype=torch.float16)
-    gather_chunk(FlashAttnLayout(), caches, slots, out)
+    out = torch.empty(2, 3, 20, 16, dtype=torch.float16)
+    gather_chunk(GpuPagedLayout(), caches, slots, out)
     for i, kv in enumerate(caches):
         assert same_bits(out[:, i], ref_gather("FLASH_ATTN", kv, slots))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_same_logical_kv_in_every_layout_gathers_identically(dtype):
+    """The same K/V written (by the references) into CPU_ATTN and every GPU physical order gathers the same."""
     gen = torch.Generator().manual_seed(11)
     layers, blocks, heads, n, d = 2, 5, 3, 16, 8
     all_slots = torch.arange(blocks * n)
     logical = [rand((2, blocks * n, heads * d), dtype, gen) for _ in range(layers)]
     slots = torch.randperm(blocks * n, generator=gen)[:37]
-    chunks = {}
-    for kind in KINDS:
-        caches = [torch.zeros(paged_shape(kind, blocks, heads, n, d), dtype=dtype) for _ in range(layers)]
-        for kv, kv_logical in zip(caches, logical, strict=True):
-            ref_scatter(kind, kv, all_slots, kv_logical, heads)
-        chunks[kind] = torch.empty(2, layers, 37, heads * d, dtype=dtype)
-        gather_chunk(make_layout(kind), caches, slots, chunks[kind])
     expected = torch.stack([kv_logical[:, slots] for kv_logical in logical], dim=1)
-    for kind in KINDS:
-        assert same_bits(chunks[kind], expected), kind
+    gpu_logical = []
+    for kind, name in [("CPU_ATTN", "LBHNC")] + [("FLASH_ATTN", name) for name in VLLM_LAYOUTS]:
+        caches = vllm_kv_caches(
+            name, layers=layers, blocks=blocks, heads=heads, block_size=n, head_size=d, dtype=dtype, gen=gen
+        )
+        for kv, kv_logical in zip(caches, logical, strict=True):
+            ref_scatter(kind, kv, all_slots, kv_logical)
+        chunk = torch.empty(2, layers, 37, heads * d, dtype=dtype)
+        gather_chunk(make_layout(kind), caches, slots, chunk)
+        assert same_bits(chunk, expected), (kind, name)
+        if kind != "CPU_ATTN":
+            gpu_logical.append(torch.stack([kv.contiguous() for kv in caches]))
+    # The GPU backends' logical [B, H, N, 2D] content doesn't depend on the physical order.
+    assert all(same_bits(t, gpu_logical[0]) for t in gpu_logical[1:])
 
 
 # -- the CPU layout against vLLM's definition and kernel ---------------------------------
@@ -282,7 +490,9 @@ def test_cpu_layout_matches_backend_view():
     """
     gen = torch.Generator().manual_seed(5)
     b_, h_, n, d = 4, 2, 32, 64
-    kv = rand((b_, h_, n, 2 * d), torch.bfloat16, gen)
+    kv = default_caches(
+        "CPU_ATTN", layers=2, blocks=b_, heads=h_, block_size=n, head_size=d, dtype=torch.bfloat16, gen=gen
+    )[1]
     key_cache, value_cache = kv.view(b_, h_, 2 * n, d).chunk(2, dim=2)
     slots = torch.randperm(b_ * n, generator=gen)[:50]
     out = torch.empty(2, 50, h_ * d, dtype=torch.bfloat16)
@@ -295,7 +505,7 @@ def test_cpu_layout_matches_backend_view():
 
 
 def _load_vllm_cpu_ops() -> bool:
-    """Load vLLM's CPU kernel library directly (importing vllm takes ~10 s)."""
+    """Load vLLM's CPU kernel library directly (importing all of vllm takes ~10 s)."""
     if hasattr(torch.ops._C, "cpu_attn_reshape_and_cache"):
         return True
     spec = importlib.util.find_spec("vllm")
@@ -328,7 +538,18 @@ def test_cpu_layout_matches_vllm_kernel(dtype, isa, block_size):
     blocks, heads, d, t = 4, 2, 64, 3 * block_size // 2 + 1
     slots = torch.randperm(blocks * block_size, generator=gen)[:t]
     key, value = rand((t, heads, d), dtype, gen), rand((t, heads, d), dtype, gen)
-    kv = torch.zeros(blocks, heads, block_size, 2 * d, dtype=dtype)
+    kv = default_caches(
+        "CPU_ATTN",
+        layers=1,
+        blocks=blocks,
+        heads=heads,
+        block_size=block_size,
+        head_size=d,
+        dtype=dtype,
+        gen=gen,
+    )[0]
+    ours = kv.clone()
+    # cpu_attn.py: kv_cache.view((num_blocks, num_kv_heads, block_size * 2, -1)).chunk(2, dim=2)
     key_cache, value_cache = kv.view(blocks, heads, 2 * block_size, d).chunk(2, dim=2)
     torch.ops._C.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa, 1.0, 1.0, "auto")
 
@@ -338,7 +559,6 @@ def test_cpu_layout_matches_vllm_kernel(dtype, isa, block_size):
     assert same_bits(out[0], key.reshape(t, -1)), "K differs from what vLLM's kernel wrote"
     assert same_bits(out[1], value.reshape(t, -1)), "V differs from what vLLM's kernel wrote"
 
-    ours = torch.zeros_like(kv)
     layout.scatter(ours, slots, out)
     assert same_bits(ours, kv), "scatter does not write the bytes vLLM's kernel writes"
 
@@ -360,10 +580,11 @@ def test_cpu_isa_resolution(monkeypatch):
 
 def test_kv_shape_and_infer():
     assert CpuAttnLayout("vec").kv_shape(torch.zeros(5, 2, 16, 128), 16) == (5, 2, 16, 64)
-    assert FlashAttnLayout().kv_shape(torch.zeros(2, 5, 16, 2, 64)) == (5, 2, 16, 64)
-    assert FlashInferLayout().kv_shape(torch.zeros(5, 2, 16, 2, 64)) == (5, 2, 16, 64)
-    caches = [torch.zeros(2, 5, 16, 2, 64, dtype=torch.float16)] * 3
-    shape = infer_kv_shape(FlashAttnLayout(), caches)
+    assert GpuPagedLayout().kv_shape(torch.zeros(5, 2, 16, 128), 16) == (5, 2, 16, 64)
+    nhd = torch.zeros(5, 16, 2, 128).transpose(1, 2)  # NHD memory, [B, H, N, 2D] view
+    assert GpuPagedLayout("FLASHINFER").kv_shape(nhd) == (5, 2, 16, 64)
+    caches = [torch.zeros(5, 2, 16, 128, dtype=torch.float16)] * 3
+    shape = infer_kv_shape(layout_for_backend("TRITON_ATTN"), caches)
     assert shape == KVShape(num_layers=3, num_kv_heads=2, head_size=64, block_size=16, dtype=torch.float16)
     assert shape.chunk_shape(256) == (2, 3, 256, 128)
 
@@ -375,10 +596,10 @@ def test_kv_shape_and_infer():
         (CpuAttnLayout("vec"), torch.zeros(5, 2, 16, 63), "even"),
         (CpuAttnLayout("vec"), torch.zeros(5, 2, 128, 16).transpose(2, 3), "contiguous"),
         (CpuAttnLayout("vec"), torch.zeros(5, 2, 16, 64, dtype=torch.int8), "dtype"),
-        (FlashAttnLayout(), torch.zeros(5, 2, 16, 128), "5-D"),
-        (FlashAttnLayout(), torch.zeros(5, 2, 16, 2, 64), "size 2"),
-        (FlashInferLayout(), torch.zeros(2, 5, 16, 2, 64), "size 2"),
-        (FlashInferLayout(), torch.zeros(0, 2, 16, 2, 64), "empty"),
+        (GpuPagedLayout(), torch.zeros(2, 5, 16, 2, 64), "4-D"),  # the pre-0.32 5-D layout
+        (GpuPagedLayout(), torch.zeros(5, 2, 16, 63), "even"),
+        (GpuPagedLayout(), torch.zeros(5, 2, 16, 128, dtype=torch.uint8), "dtype"),  # FP8 / NVFP4 caches
+        (GpuPagedLayout(), torch.zeros(0, 2, 16, 128), "empty"),
     ],
 )
 def test_bad_tensor_raises(layout, tensor, match):
@@ -388,13 +609,18 @@ def test_bad_tensor_raises(layout, tensor, match):
         layout.gather(tensor, torch.zeros(1, dtype=torch.long), torch.zeros(2, 1, 128))
 
 
-def test_block_size_mismatch_raises():
-    with pytest.raises(ValueError, match="block_size=32"):
-        FlashAttnLayout().kv_shape(torch.zeros(2, 5, 16, 2, 64), 32)
+def test_block_size_must_be_a_multiple_of_the_tensors():
+    kv = torch.zeros(5, 2, 16, 128)
+    assert GpuPagedLayout().kv_shape(kv, 64) == (5, 2, 16, 64)  # kernel blocks of 16 in blocks of 64
+    for block_size in (8, 24, 0):
+        with pytest.raises(ValueError, match=f"block_size={block_size}"):
+            GpuPagedLayout().kv_shape(kv, block_size)
+        with pytest.raises(ValueError, match=f"block_size={block_size}"):
+            CpuAttnLayout("vec").kv_shape(kv, block_size)
 
 
 def test_bad_arguments_raise():
-    layout, kv = FlashAttnLayout(), torch.zeros(2, 4, 16, 2, 8)
+    layout, kv = GpuPagedLayout(), torch.zeros(4, 2, 16, 16)
     ok_slots, out = torch.tensor([0, 5, 63]), torch.zeros(2, 3, 16)
     layout.gather(kv, ok_slots, out)
     for slots, match in [
@@ -414,25 +640,39 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="shape"):
         gather_chunk(layout, [kv, kv], ok_slots, torch.zeros(2, 1, 3, 16))
     with pytest.raises(ValueError, match="layer 1"):
-        gather_chunk(layout, [kv, torch.zeros(2, 4, 16, 1, 16)], ok_slots, torch.zeros(2, 2, 3, 16))
+        gather_chunk(layout, [kv, torch.zeros(4, 1, 16, 32)], ok_slots, torch.zeros(2, 2, 3, 16))
     with pytest.raises(ValueError, match="empty"):
         scatter_chunk(layout, [], ok_slots, torch.zeros(2, 0, 3, 16))
 
 
 def test_layout_for_backend_names():
+    assert SUPPORTED_BACKENDS == ("CPU_ATTN", "FLASH_ATTN", "FLASHINFER", "TRITON_ATTN")
     assert isinstance(layout_for_backend("CPU_ATTN"), CpuAttnLayout)
     assert layout_for_backend("CPU_ATTN", cpu_isa="vec16").isa == "vec16"
-    assert isinstance(layout_for_backend("FLASH_ATTN"), FlashAttnLayout)
-    assert isinstance(layout_for_backend("flashinfer"), FlashInferLayout)
-    for layout in (CpuAttnLayout(), FlashAttnLayout(), FlashInferLayout()):
+    for name in GPU_BACKENDS:
+        layout = layout_for_backend(name.lower())
+        assert isinstance(layout, GpuPagedLayout) and layout.name == name
+        assert repr(layout) == f"GpuPagedLayout({name!r})"
+    for layout in (CpuAttnLayout(), GpuPagedLayout("TRITON_ATTN")):
         assert layout_for_backend(layout.name).name == layout.name
+    with pytest.raises(ValueError, match="not 'CPU_ATTN'"):
+        GpuPagedLayout("CPU_ATTN")
 
 
-@pytest.mark.parametrize("name", ["TRITON_ATTN", "TORCH_SDPA", "FLEX_ATTENTION", ""])
-def test_unknown_backend_raises_helpfully(name):
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("TORCH_SDPA", "old CPU backend"),
+        ("FLEX_ATTENTION", ""),
+        ("FLASHMLA", "latent"),
+        ("FLASH_ATTN_DIFFKV", "different head sizes"),
+        ("", ""),
+    ],
+)
+def test_unknown_backend_raises_helpfully(name, why):
     with pytest.raises(ValueError) as err:
         layout_for_backend(name)
     msg = str(err.value)
-    assert repr(name) in msg and "not supported" in msg
-    for needed in ("CPU_ATTN", "FLASH_ATTN", "FLASHINFER", "--attention-backend", "VLLM_ATTENTION_BACKEND"):
+    assert repr(name) in msg and "not supported" in msg and why in msg
+    for needed in (*SUPPORTED_BACKENDS, "--attention-backend"):
         assert needed in msg

@@ -51,6 +51,10 @@ class SchedulerSide:
         # Hit, salt and LoRA found by get_num_new_matched_tokens, before blocks
         # are allocated (vLLM's per-step request data does not carry the salt).
         self._hits: dict[str, tuple[int, str | None, str | None]] = {}
+        # The locally computed (vLLM prefix cache) token count vLLM gave the
+        # lookup: where a load starts. vLLM sets request.num_computed_tokens
+        # only after update_state_after_alloc, so it cannot be read there.
+        self._local: dict[str, int] = {}
         self._planned_loads: dict[str, tuple[int, int]] = {}
         self._reqs: dict[str, _Tracked] = {}
 
@@ -61,6 +65,7 @@ class SchedulerSide:
         salt, lora = request.cache_salt, _lora_name(request)
         hit = self.lookup_client.lookup(prompt, salt, lora)
         self._hits[request.request_id] = (hit, salt, lora)
+        self._local[request.request_id] = num_computed_tokens
         if not self.load_enabled:
             return 0, False
         # vLLM must compute at least one prompt token to sample the next one.
@@ -73,9 +78,9 @@ class SchedulerSide:
         return new, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        start = self._local.pop(request.request_id, 0)
         if num_external_tokens > 0:
-            end = request.num_computed_tokens + num_external_tokens
-            self._planned_loads[request.request_id] = (request.num_computed_tokens, end)
+            self._planned_loads[request.request_id] = (start, start + num_external_tokens)
 
     def _chunk_end(self, token_count: int, pos: int) -> int:
         """End of the chunk holding token ``pos - 1`` (chunks end at multiples or at the prompt end)."""
@@ -122,6 +127,7 @@ class SchedulerSide:
             self._reqs.pop(req_id, None)
             self._hits.pop(req_id, None)
             self._planned_loads.pop(req_id, None)
+            self._local.pop(req_id, None)
         return meta
 
     def _load_op(self, req_id: str, t: _Tracked) -> LoadOp:

@@ -101,11 +101,13 @@ class WorkerSide:
         aligned = (op.start // self.cfg.chunk_size) * self.cfg.chunk_size
         mask = torch.ones(len(tokens), dtype=torch.bool)
         mask[:aligned] = False
+        logger.debug("request %s: loading tokens [%d, %d) from chunks starting at %d",
+                     op.req_id, op.start, op.end, aligned)
         t0 = time.perf_counter()
         try:
             ret = self.engine.retrieve(
                 tokens,
-                mask,
+                mask=mask,
                 kvcaches=self.kv_caches,
                 slot_mapping=slots,
                 skip_leading_tokens=op.start,
@@ -142,11 +144,12 @@ class WorkerSide:
         tokens = torch.tensor(op.token_ids, dtype=torch.long)
         mask = torch.ones(len(tokens), dtype=torch.bool)
         mask[: op.skip] = False
+        logger.debug("request %s: storing tokens [%d, %d)", op.req_id, op.skip, len(tokens))
         t0 = time.perf_counter()
         try:
             self.engine.store(
                 tokens,
-                mask,
+                mask=mask,
                 kvcaches=self.kv_caches,
                 slot_mapping=torch.tensor(op.slots, dtype=torch.long),
                 request_configs=request_configs(op.cache_salt, op.lora),

@@ -186,6 +186,7 @@ class DiskTierConnector(RemoteConnector):
 
     def _put_sync(self, key: CacheEngineKey, tensor: torch.Tensor) -> None:
         path = self._path(key)
+        logger.debug("disk tier: writing %s (%d tokens)", path.name, tensor.shape[2])
         data = chunk_format.encode(key.to_string(), tensor)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
