@@ -14,7 +14,10 @@ the YAML file, ``LMCACHE_MOONCAKE_<KEY>`` environment variables, and the
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
+import re
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -27,6 +30,63 @@ ENV_PREFIX = "LMCACHE_MOONCAKE_"
 
 class ConfigError(ValueError):
     """A configuration file or override is wrong; the message says where and how to fix it."""
+
+
+@dataclass(frozen=True)
+class MooncakeConfig:
+    """The ``mooncake:`` section: the shared remote tier on a Mooncake Store.
+
+    Translated into the arguments Mooncake's ``MooncakeDistributedStore.setup``
+    really reads (``master_server_addr``, ``rdma_devices``, ...); see
+    :meth:`setup_args`.
+    """
+
+    #: Master "host:port", or "auto": the store started by ``lmcache-mooncake store up``.
+    master_address: str = "auto"
+    #: Metadata server URL (http://host:port/metadata), or "auto" as above.
+    metadata_server: str = "auto"
+    #: "tcp" or "rdma".
+    protocol: str = "tcp"
+    #: RDMA devices, comma-separated (e.g. "mlx5_0,mlx5_1"); needed for rdma.
+    rdma_devices: str = ""
+    #: Address this process's transfer engine binds and announces.
+    local_hostname: str = "127.0.0.1"
+    #: Bytes of the registered buffer chunks are staged in (int or "256MiB").
+    local_buffer_size: int = 256 * 2**20
+    #: Store memory this process contributes; 0 attaches without owning any,
+    #: so a vLLM process that dies loses no chunk.
+    global_segment_size: int = 0
+    #: Seconds one store call may take; past it the call is a miss.
+    timeout: float = 2.0
+    #: Copies of each chunk the store keeps.
+    replica_num: int = 1
+    #: Folder where ``store up`` records the embedded store (for "auto").
+    store_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.protocol not in ("tcp", "rdma"):
+            raise ConfigError(f"protocol: {self.protocol!r} is not one of 'tcp', 'rdma'")
+        if self.protocol == "rdma" and not self.rdma_devices.strip():
+            raise ConfigError("rdma_devices: protocol rdma needs devices, e.g. rdma_devices: mlx5_0")
+        if self.master_address != "auto":
+            host, _, port = self.master_address.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(
+                    f"master_address: {self.master_address!r} is not host:port (e.g. 127.0.0.1:50051) or auto"
+                )
+        if self.metadata_server != "auto" and not self.metadata_server.startswith(("http://", "P2PHANDSHAKE")):
+            raise ConfigError(
+                f"metadata_server: {self.metadata_server!r} must be an http:// URL "
+                "(e.g. http://127.0.0.1:8080/metadata), P2PHANDSHAKE, or auto"
+            )
+        if self.local_buffer_size <= 0:
+            raise ConfigError(f"local_buffer_size: {self.local_buffer_size} bytes is impossible; give e.g. 256MiB")
+        if self.global_segment_size < 0:
+            raise ConfigError(f"global_segment_size: {self.global_segment_size} is negative")
+        if self.timeout <= 0:
+            raise ConfigError(f"timeout: {self.timeout} must be above 0 seconds")
+        if self.replica_num < 1:
+            raise ConfigError(f"replica_num: {self.replica_num} must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -56,6 +116,8 @@ class CacheConfig:
     lookup_timeout: float = 5.0
     #: Folder for sockets and run state; default: a folder under the temp dir.
     run_dir: str | None = None
+    #: The shared remote tier; absent or null: CPU and disk tiers only.
+    mooncake: MooncakeConfig | None = None
 
     def __post_init__(self) -> None:
         _check_positive_int("chunk_size", self.chunk_size)
@@ -103,50 +165,81 @@ class CacheConfig:
         return dataclasses.asdict(self)
 
 
+_TOP_KEYS = {f.name for f in fields(CacheConfig)}
+#: Keys whose value is a section (a mapping) and the dataclass it becomes.
+_SECTIONS: dict[str, type] = {"mooncake": MooncakeConfig}
+#: Keys that take sizes with units ("4GiB") as well as plain byte counts.
+_SIZE_KEYS: dict[str, tuple[str, ...]] = {"MooncakeConfig": ("local_buffer_size", "global_segment_size")}
+
+
 def _check_positive_int(key: str, value: int) -> None:
     if value <= 0:
         raise ConfigError(f"{key}: {value} must be a positive integer")
 
 
-_FIELDS = {f.name: f for f in fields(CacheConfig)}
-_TYPES: dict[str, tuple[type, ...]] = {
-    "chunk_size": (int,),
-    "local_cpu": (bool,),
-    "max_local_cpu_size": (int, float),
-    "local_disk": (str, type(None)),
-    "max_local_disk_size": (int, float),
-    "save_unfull_chunk": (bool,),
-    "model_id": (str, type(None)),
-    "verify_on_lookup": (bool,),
-    "load_failure_policy": (str,),
-    "lookup_timeout": (int, float),
-    "run_dir": (str, type(None)),
-}
-assert set(_TYPES) == set(_FIELDS), "every CacheConfig field needs a type entry"
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string such as ``"4GiB"``, ``"512 MiB"``, ``"1gb"``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{value!r} is not a size; write e.g. 4GiB, 512MiB or a number of bytes")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _allowed_types(cls: type, name: str) -> tuple[type, ...]:
+    hint = typing.get_type_hints(cls)[name]
+    args = typing.get_args(hint) or (hint,)
+    out: list[type] = []
+    for t in args:
+        out.extend((int, float) if t is float else (t,))
+    return tuple(out)
 
 
 def _type_name(types: tuple[type, ...]) -> str:
-    names = {int: "integer", float: "number", bool: "true/false", str: "string"}
-    return " or ".join("null" if t is type(None) else names.get(t, t.__name__) for t in types)
+    names = {int: "integer", float: "number", bool: "true/false", str: "string", dict: "mapping"}
+    seen = []
+    for t in types:
+        n = "null" if t is type(None) else names.get(t, "mapping" if dataclasses.is_dataclass(t) else t.__name__)
+        if n not in seen:
+            seen.append(n)
+    return " or ".join(seen)
 
 
-def _check_value(source: str, key: str, value: Any) -> Any:
+def _check_value(source: str, key: str, value: Any, cls: type = None, prefix: str = "") -> Any:  # type: ignore[assignment]
     """Return ``value`` converted to the field's type, or raise naming ``source`` and ``key``."""
-    if key not in _FIELDS:
-        close = [k for k in _FIELDS if k.startswith(key[:4])] or sorted(_FIELDS)
+    cls = cls or CacheConfig
+    known = {f.name for f in fields(cls)}
+    full = prefix + key
+    if key not in known:
+        close = difflib.get_close_matches(key, known, n=1)
         raise ConfigError(
-            f"{source}: unknown key '{key}'. Known keys: {', '.join(sorted(_FIELDS))}"
-            + (f" (did you mean {close[0]!r}?)" if len(close) < len(_FIELDS) else "")
+            f"{source}: unknown key '{full}'. Known keys{' of ' + prefix[:-1] if prefix else ''}: "
+            f"{', '.join(sorted(known))}" + (f" (did you mean '{prefix}{close[0]}'?)" if close else "")
         )
-    types = _TYPES[key]
+    types = _allowed_types(cls, key)
+    section = next((t for t in types if dataclasses.is_dataclass(t)), None)
+    if section is not None and isinstance(value, dict):
+        # Checked key by key here; built (and its sizes checked) once every
+        # source is merged, in load_config.
+        return {str(k): _check_value(source, str(k), v, section, full + ".") for k, v in value.items()}
+    if key in _SIZE_KEYS.get(cls.__name__, ()) and isinstance(value, str):
+        try:
+            return parse_size(value)
+        except ValueError as e:
+            raise ConfigError(f"{source}: key '{full}': {e}") from None
     # bool is an int in Python; a YAML `true` must not pass as a size.
     if isinstance(value, bool) and bool not in types:
         ok = False
     else:
-        ok = isinstance(value, types)
+        ok = isinstance(value, tuple(t for t in types if not dataclasses.is_dataclass(t)))
     if not ok:
         raise ConfigError(
-            f"{source}: key '{key}' must be {_type_name(types)}, got {value!r} "
+            f"{source}: key '{full}' must be {_type_name(types)}, got {value!r} "
             f"({type(value).__name__})"
         )
     if float in types and isinstance(value, int):
@@ -157,9 +250,17 @@ def _check_value(source: str, key: str, value: Any) -> Any:
 def _parse_env(key: str, raw: str) -> Any:
     value = yaml.safe_load(raw) if raw.strip() else None
     # A path or id given in the environment stays a string even if it looks numeric.
-    if str in _TYPES[key] and value is not None and not isinstance(value, str):
+    if str in _allowed_types(CacheConfig, key) and value is not None and not isinstance(value, str):
         value = raw
     return value
+
+
+def _merge(values: dict[str, Any], new: dict[str, Any]) -> None:
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(values.get(key), dict):
+            values[key] = {**values[key], **value}
+        else:
+            values[key] = value
 
 
 def load_config(
@@ -190,26 +291,34 @@ def load_config(
                 f"{source}: the top level must be a mapping of keys to values, "
                 f"got {type(data).__name__}"
             )
-        for key, value in data.items():
-            values[str(key)] = _check_value(source, str(key), value)
+        _merge(values, {str(k): _check_value(source, str(k), v) for k, v in data.items()})
 
     env = os.environ if environ is None else environ
     for name, raw in env.items():
         if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "MODEL_DIR":
             continue
         key = name[len(ENV_PREFIX):].lower()
-        if key not in _FIELDS:
-            continue  # other variables of ours (e.g. the model cache folder)
+        if key not in _TOP_KEYS or key in _SECTIONS:
+            continue  # other variables of ours (the model folder, the log level)
         values[key] = _check_value(f"environment variable {name}", key, _parse_env(key, raw))
 
-    for key, value in (overrides or {}).items():
-        values[key] = _check_value("kv_connector_extra_config", key, value)
+    _merge(values, {k: _check_value("kv_connector_extra_config", k, v) for k, v in (overrides or {}).items()})
 
     try:
+        for key, cls in _SECTIONS.items():
+            if isinstance(values.get(key), dict):
+                values[key] = _section(cls, key, values[key])
         return CacheConfig(**values)
     except ConfigError as e:
         where = str(path) if path is not None else "configuration"
         raise ConfigError(f"{where}: {e}") from None
+
+
+def _section(cls: type, name: str, values: dict[str, Any]) -> Any:
+    try:
+        return cls(**values)
+    except ConfigError as e:
+        raise ConfigError(f"{name}.{e}") from None
 
 
 def config_from_extra(extra: Mapping[str, Any] | None) -> CacheConfig:

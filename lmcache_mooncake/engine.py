@@ -18,7 +18,6 @@ lookups across tiers.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -32,9 +31,9 @@ from lmcache.v1.metadata import LMCacheMetadata
 from lmcache.v1.token_database import TokenDatabase
 
 from lmcache_mooncake import layouts
-from lmcache_mooncake.config import CacheConfig
+from lmcache_mooncake.config import CacheConfig, MooncakeConfig
 from lmcache_mooncake.keys import KeyNamespace, chunk_keys
-from lmcache_mooncake.tiers import disk
+from lmcache_mooncake.tiers import PENDING, disk
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +156,11 @@ def build_engine(
                 cfg.disk_path, int(cfg.max_local_disk_size * 2**30), cfg.verify_on_lookup
             )
         )
+    if cfg.mooncake is not None:
+        from lmcache_mooncake.tiers import mooncake
+
+        plugins.append(mooncake.PLUGIN_NAME)
+        extra.update(mooncake.plugin_extra_config(store_addresses(cfg.mooncake), cfg.mooncake))
     lm_config = LMCacheEngineConfig.from_defaults(
         chunk_size=namespace.chunk_size,
         local_cpu=cfg.local_cpu,
@@ -189,6 +193,29 @@ def build_engine(
     return engine
 
 
+def store_addresses(mc: MooncakeConfig) -> dict[str, str]:
+    """Where the Mooncake tier connects: the configured addresses, or for
+    ``auto`` those recorded by ``lmcache-mooncake store up``."""
+    if mc.master_address != "auto" and mc.metadata_server != "auto":
+        return {"master_addr": mc.master_address, "metadata_url": mc.metadata_server, "mode": "tcp"}
+    from lmcache_mooncake.store.launcher import StoreError, default_state_dir, read_state
+
+    state = read_state(mc.store_dir)
+    if state is None:
+        where = mc.store_dir or default_state_dir()
+        raise StoreError(
+            f"mooncake.master_address is 'auto' but no store started by 'lmcache-mooncake store up' "
+            f"is recorded in {where}. Start one with 'lmcache-mooncake store up', or set "
+            "mooncake.master_address and mooncake.metadata_server to a running store."
+        )
+    return {
+        "master_addr": state.master_addr if mc.master_address == "auto" else mc.master_address,
+        "metadata_url": state.metadata_url if mc.metadata_server == "auto" else mc.metadata_server,
+        "client_addr": state.client_addr,
+        "mode": "tcp",
+    }
+
+
 def _no_broadcast(tensor: torch.Tensor, src: int) -> None:
     return None
 
@@ -198,26 +225,13 @@ def _no_broadcast_object(obj: Any, src: int) -> Any:
 
 
 def pending_writes(engine: LMCacheEngine) -> int:
-    """Chunks handed to slower tiers whose writes have not finished."""
-    sm = engine.storage_manager
-    if sm is None:
-        return 0
-    total = 0
-    for backend in getattr(sm, "storage_backends", {}).values():
-        tasks = getattr(backend, "put_tasks", None)
-        if tasks is not None:
-            total += len(tasks)
-    return total
+    """Chunks handed to slower tiers (disk, store) whose writes have not finished."""
+    return PENDING.count
 
 
 def drain(engine: LMCacheEngine, timeout: float) -> bool:
     """Wait until every write to slower tiers has finished; False on timeout."""
-    deadline = time.monotonic() + timeout
-    while pending_writes(engine):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
+    return PENDING.wait(timeout)
 
 
 def close_engine(engine: LMCacheEngine, instance_id: str, timeout: float = 60.0) -> None:

@@ -93,3 +93,60 @@ def test_env_and_extra_config_override_single_keys(tmp_path):
     assert cfg.disk_path == Path("/tmp/b")
     with pytest.raises(ConfigError, match="kv_connector_extra_config.*colour"):
         config_from_extra({"config_file": str(p), "colour": 1})
+
+
+# -- the mooncake: section ---------------------------------------------------
+
+def test_mooncake_section_loads_with_sizes_and_defaults(tmp_path):
+    p = write(tmp_path, "mooncake:\n  master_address: 10.0.0.1:50051\n  local_buffer_size: 512MiB\n")
+    mc = load_config(p, environ={}).mooncake
+    assert mc.master_address == "10.0.0.1:50051"
+    assert mc.local_buffer_size == 512 * 2**20
+    assert mc.protocol == "tcp" and mc.global_segment_size == 0
+
+
+def test_mooncake_absent_means_no_remote_tier(tmp_path):
+    assert load_config(write(tmp_path, "chunk_size: 256\n"), environ={}).mooncake is None
+    assert load_config(write(tmp_path, "mooncake: null\n"), environ={}).mooncake is None
+
+
+def test_mooncake_misspelled_key_is_an_error_not_a_default(tmp_path):
+    # LMCache 0.5.6 forwards master_server_address, which Mooncake ignores.
+    p = write(tmp_path, "mooncake:\n  master_server_address: 127.0.0.1:50051\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p, environ={})
+    msg = str(e.value)
+    assert str(p) in msg and "mooncake.master_server_address" in msg
+    assert "mooncake.master_address" in msg
+
+
+@pytest.mark.parametrize(
+    "body, key",
+    [
+        ("  protocol: udp\n", "mooncake.protocol"),
+        ("  protocol: rdma\n", "mooncake.rdma_devices"),
+        ("  master_address: nohost\n", "mooncake.master_address"),
+        ("  metadata_server: ftp://x\n", "mooncake.metadata_server"),
+        ("  local_buffer_size: lots\n", "mooncake.local_buffer_size"),
+        ("  local_buffer_size: 0\n", "mooncake.local_buffer_size"),
+        ("  timeout: 0\n", "mooncake.timeout"),
+        ("  replica_num: 0\n", "mooncake.replica_num"),
+        ("  timeout: soon\n", "mooncake.timeout"),
+    ],
+)
+def test_mooncake_bad_values_name_the_key(tmp_path, body, key):
+    p = write(tmp_path, "mooncake:\n" + body)
+    with pytest.raises(ConfigError) as e:
+        load_config(p, environ={})
+    assert str(p) in str(e.value) and key in str(e.value)
+
+
+def test_mooncake_section_must_be_a_mapping(tmp_path):
+    with pytest.raises(ConfigError, match="mooncake.*mapping"):
+        load_config(write(tmp_path, "mooncake: yes-please\n"), environ={})
+
+
+def test_extra_config_merges_into_the_mooncake_section(tmp_path):
+    p = write(tmp_path, "mooncake:\n  master_address: 127.0.0.1:1\n  timeout: 3\n")
+    cfg = config_from_extra({"config_file": str(p), "mooncake": {"timeout": 0.5}})
+    assert cfg.mooncake.master_address == "127.0.0.1:1" and cfg.mooncake.timeout == 0.5

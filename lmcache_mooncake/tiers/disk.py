@@ -32,6 +32,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from lmcache_mooncake import chunk_format
 from lmcache_mooncake.stats import STATS
+from lmcache_mooncake.tiers import PENDING
 
 logger = logging.getLogger(__name__)
 
@@ -220,11 +221,18 @@ class DiskTierConnector(RemoteConnector):
             except FileNotFoundError:
                 pass
 
-    async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
-        tensor = memory_obj.tensor
-        assert tensor is not None
-        # The write runs off the event loop so lookups are not held up by I/O.
-        await self.loop.run_in_executor(None, self._put_sync, key, tensor)
+    def put(self, key: CacheEngineKey, memory_obj: MemoryObj):  # type: ignore[override]
+        # A plain function returning the coroutine LMCache schedules, so the
+        # write counts as pending from the moment it is submitted.
+        PENDING.begin()
+        return self._write(key, memory_obj)
+
+    async def _write(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
+        try:
+            # Off the event loop, so lookups are not held up by I/O.
+            await self.loop.run_in_executor(None, self._put_sync, key, memory_obj.tensor)
+        finally:
+            PENDING.end()
 
     async def list(self) -> list[str]:
         return [Path(p).name for p in self._sizes]
