@@ -198,6 +198,7 @@ def store_addresses(mc: MooncakeConfig) -> dict[str, str]:
     ``auto`` those recorded by ``lmcache-mooncake store up``."""
     if mc.master_address != "auto" and mc.metadata_server != "auto":
         return {"master_addr": mc.master_address, "metadata_url": mc.metadata_server, "mode": "tcp"}
+    # The store of this host: shared memory is the faster way to reach it.
     from lmcache_mooncake.store.launcher import StoreError, default_state_dir, read_state
 
     state = read_state(mc.store_dir)
@@ -212,7 +213,7 @@ def store_addresses(mc: MooncakeConfig) -> dict[str, str]:
         "master_addr": state.master_addr if mc.master_address == "auto" else mc.master_address,
         "metadata_url": state.metadata_url if mc.metadata_server == "auto" else mc.metadata_server,
         "client_addr": state.client_addr,
-        "mode": "tcp",
+        "mode": "tcp" if mc.mode == "tcp" or mc.master_address != "auto" else "shm",
     }
 
 

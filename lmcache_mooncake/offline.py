@@ -12,11 +12,14 @@ sent alone).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,37 +76,106 @@ def vllm_env(work_dir: Path, extra: dict[str, str] | None = None, kv_cache_gib: 
     return env
 
 
+class Instance:
+    """A vLLM process that runs batches of prompts on request, until stopped or killed.
+
+    The child reads batch *i* from ``batch-<i>.json`` in ``work_dir`` and writes
+    ``result-<i>.json``; a ``stop`` file ends it. It runs in its own session, so
+    :meth:`kill` (SIGKILL to the whole process group) takes vLLM's EngineCore
+    and worker processes with it, as a crash would.
+    """
+
+    def __init__(self, spec: RunSpec, work_dir: Path | None = None):
+        self.spec = spec
+        self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="lmcm-run-"))
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        for old in [*self.work_dir.glob("batch-*.json"), *self.work_dir.glob("result-*.json")]:
+            old.unlink()
+        (self.work_dir / "stop").unlink(missing_ok=True)
+        (self.work_dir / "spec.json").write_text(json.dumps(asdict(spec)))
+        self.log_path = self.work_dir / "vllm.log"
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in _reap
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "lmcache_mooncake.offline", str(self.work_dir)],
+            env=vllm_env(self.work_dir, spec.env, spec.kv_cache_gib),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self._batches = 0
+
+    def run(self, prompts: list[list[int]], cache_salts: list[str | None] | None = None,
+            timeout_s: float | None = None) -> list[PromptResult]:
+        """Run one batch (each prompt alone, in order) and return its results."""
+        i = self._batches
+        self._batches += 1
+        batch = {"prompts": prompts, "cache_salts": cache_salts or [None] * len(prompts)}
+        tmp = self.work_dir / f".batch-{i}.json"
+        tmp.write_text(json.dumps(batch))
+        tmp.rename(self.work_dir / f"batch-{i}.json")
+        out = self.work_dir / f"result-{i}.json"
+        deadline = time.monotonic() + (timeout_s or self.spec.timeout_s)
+        while not out.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM process exited ({self.proc.returncode}); {self._tail()}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"vLLM batch {i} timed out; {self._tail()}")
+            time.sleep(0.05)
+        return [PromptResult(**r) for r in json.loads(out.read_text())]
+
+    def stop(self, timeout_s: float = 120.0) -> None:
+        """Ask the child to shut vLLM down cleanly (the connector drains its writes)."""
+        (self.work_dir / "stop").touch()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        self._reap()
+        if self.proc.returncode != 0:
+            raise RuntimeError(f"vLLM process exited with {self.proc.returncode}; {self._tail()}")
+
+    def kill(self) -> None:
+        """SIGKILL the child and every process it started."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self._reap()
+
+    def _reap(self) -> None:
+        # vLLM's own children are in the same session; make sure none outlives us.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self._log.close()
+
+    def _tail(self) -> str:
+        lines = self.log_path.read_text(errors="replace").splitlines()[-40:]
+        return f"log {self.log_path}:\n" + "\n".join(lines)
+
+    def __enter__(self) -> Instance:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.kill()
+
+
 def run_instance(spec: RunSpec, work_dir: Path | None = None) -> list[PromptResult]:
-    """Start a vLLM process for ``spec``, wait for it, return its results.
+    """Start a vLLM process for ``spec``, run ``spec.prompts``, stop it, return the results.
 
     Raises RuntimeError with the child's last output lines if it fails.
     """
-    work_dir = Path(work_dir or tempfile.mkdtemp(prefix="lmcm-run-"))
-    work_dir.mkdir(parents=True, exist_ok=True)
-    spec_path, out_path = work_dir / "spec.json", work_dir / "result.json"
-    spec_path.write_text(json.dumps(asdict(spec)))
-    out_path.unlink(missing_ok=True)
-    log_path = work_dir / "vllm.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.run(
-            [sys.executable, "-m", "lmcache_mooncake.offline", str(spec_path), str(out_path)],
-            env=vllm_env(work_dir, spec.env, spec.kv_cache_gib),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            timeout=spec.timeout_s,
-        )
-    if proc.returncode != 0 or not out_path.exists():
-        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-40:])
-        raise RuntimeError(f"vLLM run failed (exit {proc.returncode}); log {log_path}:\n{tail}")
-    return [PromptResult(**r) for r in json.loads(out_path.read_text())]
+    with Instance(spec, work_dir) as inst:
+        results = inst.run(spec.prompts, spec.cache_salts)
+        inst.stop()
+    return results
 
 
-def _child(spec_path: str, out_path: str) -> None:
-    import time
-
+def _child(work_dir: str) -> None:
     from vllm import LLM, SamplingParams
 
-    spec = RunSpec(**json.loads(Path(spec_path).read_text()))
+    work = Path(work_dir)
+    spec = RunSpec(**json.loads((work / "spec.json").read_text()))
     kwargs: dict[str, Any] = dict(
         model=spec.model,
         enforce_eager=True,
@@ -120,7 +192,6 @@ def _child(spec_path: str, out_path: str) -> None:
             "kv_connector_extra_config": spec.extra_config,
         }
     llm = LLM(**kwargs)
-    salts = spec.cache_salts or [None] * len(spec.prompts)
 
     def request(tokens: list[int], salt: str | None) -> dict[str, Any]:
         req: dict[str, Any] = {"prompt_token_ids": tokens}
@@ -128,26 +199,39 @@ def _child(spec_path: str, out_path: str) -> None:
             req["cache_salt"] = salt
         return req
 
-    results = []
     greedy = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens)
-    for tokens, salt in zip(spec.prompts, salts, strict=True):
-        ttft = 0.0
-        if spec.measure_ttft:
-            # Measured first, on the cold path: this is the request that may load.
-            t0 = time.perf_counter()
-            first = llm.generate([request(tokens, salt)], SamplingParams(temperature=0.0, max_tokens=1),
-                                 use_tqdm=False)[0]
-            ttft = time.perf_counter() - t0
-            cached = first.num_cached_tokens or 0
-            out = llm.generate([request(tokens, salt)], greedy, use_tqdm=False)[0]
-        else:
-            out = llm.generate([request(tokens, salt)], greedy, use_tqdm=False)[0]
-            cached = out.num_cached_tokens or 0
-        results.append(asdict(PromptResult(len(tokens), int(cached), list(out.outputs[0].token_ids), ttft)))
-    Path(out_path).write_text(json.dumps(results))
-    # Let the connector drain its writes before the process ends.
-    del llm
+    first_token = SamplingParams(temperature=0.0, max_tokens=1)
+    i = 0
+    while True:
+        batch_path = work / f"batch-{i}.json"
+        while not batch_path.exists():
+            if (work / "stop").exists():
+                # Shut down through vLLM so the connector drains its writes.
+                llm.llm_engine.engine_core.shutdown()
+                return
+            time.sleep(0.05)
+        batch = json.loads(batch_path.read_text())
+        results = []
+        for tokens, salt in zip(batch["prompts"], batch["cache_salts"], strict=True):
+            ttft = 0.0
+            if spec.measure_ttft:
+                # Measured first, on the cold path: this is the request that may load.
+                t0 = time.perf_counter()
+                first = llm.generate([request(tokens, salt)], first_token, use_tqdm=False)[0]
+                ttft = time.perf_counter() - t0
+                cached = first.num_cached_tokens or 0
+                out = llm.generate([request(tokens, salt)], greedy, use_tqdm=False)[0]
+            else:
+                t0 = time.perf_counter()
+                out = llm.generate([request(tokens, salt)], greedy, use_tqdm=False)[0]
+                ttft = time.perf_counter() - t0  # whole request; a bound on TTFT
+                cached = out.num_cached_tokens or 0
+            results.append(asdict(PromptResult(len(tokens), int(cached), list(out.outputs[0].token_ids), ttft)))
+        tmp = work / f".result-{i}.json"
+        tmp.write_text(json.dumps(results))
+        tmp.rename(work / f"result-{i}.json")
+        i += 1
 
 
 if __name__ == "__main__":
-    _child(sys.argv[1], sys.argv[2])
+    _child(sys.argv[1])

@@ -10,8 +10,11 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 class Stats:
@@ -21,6 +24,13 @@ class Stats:
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
         self._dirty = False
+        self._last_dump = 0.0
+        self._providers: list[tuple[str, Callable[[], dict[str, Any]]]] = []
+
+    def register(self, prefix: str, provider: Callable[[], dict[str, Any]]) -> None:
+        """Include ``provider()``'s integer counters, named ``prefix + name``, in every snapshot."""
+        with self._lock:
+            self._providers.append((prefix, provider))
 
     def add(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -29,15 +39,24 @@ class Stats:
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
-            return dict(self._counts)
-
-    def dump(self, path: Path, force: bool = False) -> None:
-        """Write the counters to ``path`` atomically, if they changed since the last dump."""
-        with self._lock:
-            if not (self._dirty or force):
-                return
             data = dict(self._counts)
+            providers = list(self._providers)
+        for prefix, provider in providers:
+            for name, value in provider().items():
+                if isinstance(value, int) and not isinstance(value, bool):
+                    data[prefix + name] = value
+        return data
+
+    def dump(self, path: Path, force: bool = False, min_interval_s: float = 0.5) -> None:
+        """Write the counters to ``path`` atomically, if they may have changed since the
+        last dump and (unless ``force``) ``min_interval_s`` has passed."""
+        now = time.monotonic()
+        with self._lock:
+            if not force and (not (self._dirty or self._providers) or now - self._last_dump < min_interval_s):
+                return
             self._dirty = False
+            self._last_dump = now
+        data = self.snapshot()
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(data, sort_keys=True))
         os.replace(tmp, path)

@@ -16,7 +16,7 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_shipped_configs_load():
-    for name in ("both.yaml",):
+    for name in ("both.yaml", "prefill.yaml", "decode.yaml", "local.yaml"):
         cfg = load_config(REPO / "configs" / name, environ={})
         assert isinstance(cfg, CacheConfig)
         assert cfg.chunk_size == 256

@@ -10,6 +10,7 @@ Nothing here imports ``mooncake`` at module import time, so importing this
 package is cheap and works where Mooncake is not installed.
 """
 
+from lmcache_mooncake.store.client import StoreClient, describe
 from lmcache_mooncake.store.launcher import (
     StoreError,
     StoreSpec,
@@ -21,10 +22,12 @@ from lmcache_mooncake.store.launcher import (
 )
 
 __all__ = [
+    "StoreClient",
     "StoreError",
     "StoreSpec",
     "StoreState",
     "default_state_dir",
+    "describe",
     "start_store",
     "stop_store",
     "store_status",

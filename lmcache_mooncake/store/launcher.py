@@ -252,7 +252,7 @@ def start_store(spec: StoreSpec | None = None) -> StoreState:
                 raise StoreError(
                     f"a store is already running in {sd} ({', '.join(alive)} alive; "
                     f"master at {existing.master_addr}). Stop it first "
-                    f"(lmcache-mooncake store stop --state-dir {sd}) or use another state dir."
+                    f"(lmcache-mooncake store down --state-dir {sd}) or use another state dir."
                 )
             log.warning("removing stale store state in %s (its processes are gone)", sd)
             existing.state_file.unlink(missing_ok=True)
@@ -261,7 +261,7 @@ def start_store(spec: StoreSpec | None = None) -> StoreState:
         _check_shared_libraries(master_bin)
         ports = _choose_ports(spec)
         env = dict(os.environ)
-        env.setdefault("MC_TCP_BIND_ADDRESS", LOOPBACK)
+        env["MC_TCP_BIND_ADDRESS"] = LOOPBACK  # the storage process advertises its loopback address
 
         master_cmd = [
             str(master_bin),
@@ -328,7 +328,12 @@ def start_store(spec: StoreSpec | None = None) -> StoreState:
         state.write()
     log.info(
         "Mooncake store started in %s: master %s, metadata %s, %s of memory (pids %d, %d)",
-        sd, state.master_addr, state.metadata_url, _fmt_bytes(spec.memory_bytes), mpid, cpid,
+        sd,
+        state.master_addr,
+        state.metadata_url,
+        _fmt_bytes(spec.memory_bytes),
+        mpid,
+        cpid,
     )
     log.warning("%s (metadata port %d)", ALL_INTERFACES_WARNING, state.metadata_port)
     return state
@@ -369,7 +374,7 @@ def store_status(state_dir: Path | str | None = None, timeout_s: float = 2.0) ->
         out["problems"].append(str(e))
         return out
     if st is None:
-        out["problems"].append(f"no store recorded in {sd} (start one with: lmcache-mooncake store start)")
+        out["problems"].append(f"no store recorded in {sd} (start one with: lmcache-mooncake store up)")
         return out
     procs = {}
     for name, pid, cmd in _procs(st):
@@ -702,10 +707,19 @@ def _reap(pid: int) -> None:
 
 
 def _pid_alive(pid: int) -> bool:
-    """The process exists and is not a zombie (our own zombies are reaped)."""
-    _reap(pid)
+    """The process exists and is not a zombie (a zombie child of ours is reaped here)."""
     state = _proc_state(pid)
-    return state is not None and state not in ("Z", "X")
+    if state is None:
+        _CHILDREN.discard(pid)
+        return False
+    if state in ("Z", "X"):
+        if pid in _CHILDREN:
+            # Our child: reap it. waitpid reports nothing until every thread of a
+            # multi-threaded process has exited, so until then it counts as alive.
+            _reap(pid)
+            return pid in _CHILDREN
+        return False
+    return True
 
 
 def _pid_cmdline(pid: int) -> list[str] | None:

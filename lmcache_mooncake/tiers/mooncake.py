@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from typing import Any
 
 import torch
@@ -56,6 +57,7 @@ def plugin_extra_config(addresses: dict[str, str], mc: Any) -> dict[str, Any]:
         f"{_PREFIX}.local_buffer_size": int(mc.local_buffer_size),
         f"{_PREFIX}.global_segment_size": int(mc.global_segment_size),
         f"{_PREFIX}.timeout": float(mc.timeout),
+        f"{_PREFIX}.replica_num": int(mc.replica_num),
         "use_exists_sync": True,
     }
 
@@ -90,12 +92,15 @@ class MooncakeTierConnector(RemoteConnector):
             client_addr=opt("client_addr"),
             global_segment_bytes=int(opt("global_segment_size")),
             local_hostname=opt("local_hostname"),
+            replica_num=int(opt("replica_num")),
             connect_timeout_s=max(self.timeout, 5.0),
             require=False,
         )
+        STATS.register("store_client_", self.client.stats)
         # One receive buffer sized for a full chunk; partial chunks are smaller.
         self._max_object = self.full_chunk_size_bytes + _HEADER_ROOM
         self._recv = bytearray(self._max_object)
+        self._recv_lock = threading.Lock()
         logger.info(
             "Mooncake tier: master %s (%s mode), timeout %.1f s, connected: %s",
             opt("master_addr"), opt("mode"), self.timeout, self.client.healthy,
@@ -125,6 +130,10 @@ class MooncakeTierConnector(RemoteConnector):
 
     # -- reads -------------------------------------------------------------
     def _get_sync(self, key: CacheEngineKey) -> MemoryObj | None:
+        with self._recv_lock:  # one receive buffer, gets may come from several threads
+            return self._get_locked(key)
+
+    def _get_locked(self, key: CacheEngineKey) -> MemoryObj | None:
         name = object_name(key)
         (n,) = self.client.batch_get_into([name], [memoryview(self._recv)])
         if n < 0:

@@ -1,0 +1,873 @@
+"""A thin, never-hanging client to the Mooncake Store for one process.
+
+:class:`StoreClient` wraps one ``mooncake.store.MooncakeDistributedStore``:
+
+- It attaches **without contributing store memory** (``global_segment_size=0``
+  unless ``global_segment_bytes`` is given): objects are kept by the store's
+  storage process (see :mod:`lmcache_mooncake.store.launcher`), so they
+  survive this process.
+- Data moves through one **registered staging region** (registered once at
+  connect, reused by every call). ``batch_put`` copies the caller's buffers into
+  it and the store reads them from there without a further copy;
+  ``batch_get_into`` has the store write into it and copies the bytes read into
+  the caller's buffers. The one copy is deliberate: a call that times out keeps
+  running inside Mooncake, and it must never touch memory the caller got back.
+- **Every call has a timeout.** The blocking Mooncake call runs on the
+  client's own worker thread; the caller waits at most ``timeout_s`` and then
+  gets failures (misses), never an exception and never a hang. After a timeout
+  or an RPC-class error (``-900``/``-901``) the client is *unhealthy*: calls
+  fail at once with :data:`ERR_UNAVAILABLE` until the next reconnection
+  attempt, which is made lazily by a later call after ``retry_interval_s``
+  (doubling up to ``max_retry_interval_s``). An attempt first checks with a
+  plain TCP connect (bounded, 0.5 s) that the master (``tcp`` mode) or the
+  storage process (``shm`` mode) accepts connections, then probes the existing
+  Mooncake client (Mooncake reconnects to a restarted master by itself) and,
+  after ``rebuild_after`` failed probes, builds a new one. So "master down"
+  degrades to misses and "master back" resumes, in the same process.
+
+Modes:
+
+- ``mode="tcp"``: the regular Mooncake client (transfer engine, ``protocol``
+  "tcp" or "rdma"); works across hosts. It opens two listening ports on all
+  interfaces (Mooncake's transfer engine), whatever address is configured.
+- ``mode="shm"``: Mooncake's "dummy" client, attached to the storage process
+  on the same host (``client_addr``, the storage process's RPC port). The
+  staging region is shared memory (a memfd the storage process maps), so data
+  is copied by the storage process straight between its segment and our
+  staging region, with no TCP. Same host only; opens no listening port.
+
+Return values (all lists are index-aligned with ``keys``):
+
+- :meth:`StoreClient.batch_exists` -> ``list[bool]``: True only if the master
+  confirmed the key exists. Errors, timeouts and an unhealthy client give False.
+- :meth:`StoreClient.batch_put` -> ``list[int]``: ``0`` stored (also when the
+  key already existed: Mooncake keeps the first value, which is right for
+  content-hashed keys); negative: not stored. Mooncake codes are passed through
+  (e.g. ``-200`` NO_AVAILABLE_HANDLE: store full, ``-900`` RPC_FAIL), plus this
+  module's ``ERR_*`` codes.
+- :meth:`StoreClient.batch_get_into` -> ``list[int]``: ``>= 0`` the number of
+  bytes read into the caller's buffer (the object's size); ``-704``
+  (:data:`NOT_FOUND`) missing; ``-600`` buffer smaller than the object; other
+  negative values: failure, the buffer's content is then unspecified.
+
+Use :func:`describe` to turn a code into a name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import ipaddress
+import logging
+import mmap
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lmcache_mooncake.store.launcher import StoreError, missing_library_hint, read_state
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+
+#: Success.
+OK = 0
+#: Mooncake OBJECT_NOT_FOUND: the key is not in the store.
+NOT_FOUND = -704
+#: Mooncake INVALID_PARAMS (e.g. destination buffer smaller than the object).
+INVALID_PARAMS = -600
+#: Mooncake RPC_FAIL / RPC_TIMEOUT: the master or a peer could not be reached.
+RPC_FAIL = -900
+RPC_TIMEOUT = -901
+
+#: The call did not finish within ``timeout_s``; it was abandoned (it may still complete).
+ERR_TIMEOUT = -10001
+#: The client is unhealthy (waiting to reconnect) or its worker is still busy with an abandoned call.
+ERR_UNAVAILABLE = -10002
+#: The object is larger than the staging region (``local_buffer_bytes``).
+ERR_TOO_LARGE = -10003
+#: The buffer is unusable: unsupported type, not contiguous, or read-only for a get.
+ERR_BAD_BUFFER = -10004
+#: The client was closed.
+ERR_CLOSED = -10005
+#: The Mooncake binding raised an exception (logged).
+ERR_INTERNAL = -10006
+
+_NAMES = {
+    0: "OK",
+    -1: "INTERNAL_ERROR",
+    -10: "BUFFER_OVERFLOW",
+    -101: "SEGMENT_NOT_FOUND",
+    -103: "CLIENT_NOT_FOUND",
+    -200: "NO_AVAILABLE_HANDLE (store full)",
+    -400: "INVALID_KEY",
+    -500: "WRITE_FAIL",
+    -600: "INVALID_PARAMS",
+    -700: "INVALID_WRITE",
+    -701: "INVALID_READ",
+    -703: "REPLICA_IS_NOT_READY",
+    -704: "OBJECT_NOT_FOUND",
+    -705: "OBJECT_ALREADY_EXISTS",
+    -706: "OBJECT_HAS_LEASE",
+    -707: "LEASE_EXPIRED",
+    -712: "REPLICA_IS_GONE",
+    -800: "TRANSFER_FAIL",
+    -801: "CHECKSUM_MISMATCH",
+    -900: "RPC_FAIL",
+    -901: "RPC_TIMEOUT",
+    ERR_TIMEOUT: "CLIENT_TIMEOUT",
+    ERR_UNAVAILABLE: "CLIENT_UNAVAILABLE",
+    ERR_TOO_LARGE: "TOO_LARGE_FOR_STAGING",
+    ERR_BAD_BUFFER: "BAD_BUFFER",
+    ERR_CLOSED: "CLIENT_CLOSED",
+    ERR_INTERNAL: "BINDING_ERROR",
+}
+
+#: Codes after which the client considers the master (or storage process) unreachable.
+_CONNECTION_CODES = frozenset({RPC_FAIL, RPC_TIMEOUT, -103})
+_PROBE_KEY = "__lmcache_mooncake_probe__"
+_ALIGN = 64
+_MADV_REMOVE = 9
+
+
+def describe(code: int) -> str:
+    """A readable name for a return code (``'OBJECT_NOT_FOUND (-704)'``)."""
+    if code > 0:
+        return f"{code} bytes"
+    return f"{_NAMES.get(code, 'ERROR')} ({code})"
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _split_hostport(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise StoreError(f"{addr!r} is not a host:port address")
+    return host.strip("[]"), int(port)
+
+
+def _url_hostport(url: str) -> tuple[str, int]:
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    if not u.hostname or not u.port:
+        raise StoreError(f"{url!r} is not an http://host:port/metadata URL")
+    return u.hostname, u.port
+
+
+def _can_connect(host: str, port: int, timeout: float) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=max(timeout, 0.01)):
+            return True
+    except OSError:
+        return False
+
+
+def _local_ip_towards(host: str) -> str:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+# --------------------------------------------------------------------------
+# Buffers
+# --------------------------------------------------------------------------
+
+
+class _Buf:
+    """A caller's buffer reduced to (address, size), or a torch device tensor."""
+
+    __slots__ = ("ptr", "nbytes", "tensor", "keep")
+
+    def __init__(self, ptr: int | None, nbytes: int, tensor: Any = None, keep: Any = None):
+        self.ptr = ptr
+        self.nbytes = nbytes
+        self.tensor = tensor  # set only for non-CPU torch tensors (copied with torch)
+        self.keep = keep
+
+
+def _resolve(buf: Any, writable: bool) -> _Buf | None:
+    mod = type(buf).__module__ or ""
+    if mod.startswith("torch") and hasattr(buf, "data_ptr"):
+        t = buf
+        if not t.is_contiguous():
+            return None
+        nbytes = t.numel() * t.element_size()
+        if t.device.type == "cpu":
+            return _Buf(t.data_ptr(), nbytes, keep=t)
+        return _Buf(None, nbytes, tensor=t)
+    if isinstance(buf, np.ndarray):
+        if not buf.flags.c_contiguous or (writable and not buf.flags.writeable):
+            return None
+        return _Buf(int(buf.ctypes.data), int(buf.nbytes), keep=buf)
+    try:
+        mv = memoryview(buf)
+    except TypeError:
+        return None
+    if not mv.c_contiguous or (writable and mv.readonly):
+        return None
+    if mv.nbytes == 0:
+        return _Buf(0, 0, keep=mv)
+    arr = np.frombuffer(mv.cast("B"), dtype=np.uint8)
+    return _Buf(int(arr.ctypes.data), int(mv.nbytes), keep=(mv, arr))
+
+
+# --------------------------------------------------------------------------
+# Worker thread
+# --------------------------------------------------------------------------
+
+
+class _Job:
+    __slots__ = ("fn", "done", "result", "error")
+
+    def __init__(self, fn: Callable[[], Any]):
+        self.fn = fn
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+
+class _Worker:
+    """One daemon thread running Mooncake calls one at a time.
+
+    A daemon thread (not a ThreadPoolExecutor, whose threads are joined at
+    interpreter exit) so a call hung inside Mooncake cannot block exit.
+    """
+
+    def __init__(self, name: str):
+        self._q: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self.current: _Job | None = None
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            try:
+                job.result = job.fn()
+            except BaseException as e:  # noqa: BLE001 - reported to the caller as ERR_INTERNAL
+                job.error = e
+            finally:
+                job.done.set()
+
+    def busy(self) -> bool:
+        job = self.current
+        return job is not None and not job.done.is_set()
+
+    def submit(self, fn: Callable[[], Any]) -> _Job:
+        job = _Job(fn)
+        self.current = job
+        self._q.put(job)
+        return job
+
+    def stop(self) -> None:
+        self._q.put(None)
+
+
+# Resources that an abandoned Mooncake call may still use; kept alive for the process.
+_ABANDONED: list[Any] = []
+
+
+# --------------------------------------------------------------------------
+# The client
+# --------------------------------------------------------------------------
+
+
+class StoreClient:
+    """Client to a Mooncake Store for one process. Thread-safe; calls are serialised.
+
+    Build it with :meth:`connect` or :meth:`from_state`.
+    """
+
+    def __init__(
+        self,
+        *,
+        master_addr: str = "",
+        metadata_url: str = "",
+        mode: str = "tcp",
+        client_addr: str = "",
+        protocol: str = "tcp",
+        rdma_devices: str = "",
+        local_buffer_bytes: int = 256 * MiB,
+        timeout_s: float = 2.0,
+        global_segment_bytes: int = 0,
+        local_hostname: str | None = None,
+        retry_interval_s: float = 1.0,
+        max_retry_interval_s: float = 10.0,
+        rebuild_after: int = 3,
+        replica_num: int = 1,
+    ):
+        if mode not in ("tcp", "shm"):
+            raise StoreError(f"mode={mode!r}: use 'tcp' (any host) or 'shm' (same host as the store)")
+        if mode == "tcp" and (not master_addr or not metadata_url):
+            raise StoreError("mode='tcp' needs master_addr and metadata_url")
+        if mode == "shm" and not client_addr:
+            raise StoreError("mode='shm' needs client_addr (the storage process's host:port)")
+        if protocol not in ("tcp", "rdma"):
+            raise StoreError(f"protocol={protocol!r}: use 'tcp' or 'rdma'")
+        if timeout_s <= 0:
+            raise StoreError(f"timeout_s={timeout_s} must be above 0")
+        if local_buffer_bytes < MiB:
+            raise StoreError(f"local_buffer_bytes={local_buffer_bytes}: give at least 1 MiB")
+        self.mode = mode
+        self.master_addr = master_addr
+        self.metadata_url = metadata_url
+        self.client_addr = client_addr
+        self.protocol = protocol
+        self.rdma_devices = rdma_devices
+        self.local_buffer_bytes = int(local_buffer_bytes)
+        self.timeout_s = float(timeout_s)
+        self.global_segment_bytes = int(global_segment_bytes)
+        self.retry_interval_s = float(retry_interval_s)
+        self.max_retry_interval_s = float(max(max_retry_interval_s, retry_interval_s))
+        self.rebuild_after = max(int(rebuild_after), 1)
+        if replica_num < 1:
+            raise StoreError(f"replica_num={replica_num} must be at least 1")
+        self.replica_num = int(replica_num)
+        self._replicate: Any = None
+        if mode == "tcp":
+            self._targets = [_split_hostport(master_addr), _url_hostport(metadata_url)]
+            mhost = self._targets[0][0]
+            self.local_hostname = local_hostname or (
+                "127.0.0.1" if _is_loopback(mhost) else _local_ip_towards(mhost)
+            )
+            if _is_loopback(mhost) and "MC_TCP_BIND_ADDRESS" not in os.environ:
+                # Without it Mooncake's transfer engine looks for a LAN address and
+                # fails on hosts without one ("not valid LAN address found").
+                os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
+        else:
+            self._targets = [_split_hostport(client_addr)]
+            self.local_hostname = local_hostname or "127.0.0.1"
+
+        self._lock = threading.Lock()  # serialises callers
+        self._state_lock = threading.Lock()
+        self._worker = _Worker(f"mooncake-store-{mode}")
+        self._store: Any = None
+        self._staging_ptr = 0
+        self._staging_mem: Any = None  # keeps the staging memory alive
+        self._staging_tensor: Any = None
+        self._healthy = False
+        self._closed = False
+        self._next_attempt = 0.0
+        self._backoff = self.retry_interval_s
+        self._probe_failures = 0
+        self._last_error = ""
+        self._stats: dict[str, int] = dict.fromkeys(
+            (
+                "exists_calls",
+                "put_calls",
+                "get_calls",
+                "puts_ok",
+                "puts_failed",
+                "gets_hit",
+                "gets_missed",
+                "gets_failed",
+                "bytes_put",
+                "bytes_got",
+                "timeouts",
+                "unavailable",
+                "connection_errors",
+                "reconnects",
+                "rebuilds",
+            ),
+            0,
+        )
+
+    # ------------------------------------------------------------------ build
+
+    @classmethod
+    def connect(
+        cls,
+        master_addr: str = "",
+        metadata_url: str = "",
+        protocol: str = "tcp",
+        rdma_devices: str = "",
+        local_buffer_bytes: int = 256 * MiB,
+        timeout_s: float = 2.0,
+        *,
+        mode: str = "tcp",
+        client_addr: str = "",
+        connect_timeout_s: float = 15.0,
+        require: bool = True,
+        **kwargs: Any,
+    ) -> StoreClient:
+        """Attach to a running store.
+
+        ``master_addr`` ("127.0.0.1:P") and ``metadata_url``
+        ("http://127.0.0.1:H/metadata") are needed in ``tcp`` mode;
+        ``client_addr`` (storage process "127.0.0.1:C") in ``shm`` mode.
+        ``local_buffer_bytes`` is the staging region (the largest batch moved in
+        one Mooncake call; larger batches are split, a larger single object
+        fails with :data:`ERR_TOO_LARGE`). With ``require=True`` a failed first
+        connection raises :class:`StoreError`; with ``require=False`` the client
+        is returned unhealthy and connects lazily on a later call (what a
+        serving process wants). Other keyword arguments go to the constructor.
+        """
+        self = cls(
+            master_addr=master_addr,
+            metadata_url=metadata_url,
+            mode=mode,
+            client_addr=client_addr,
+            protocol=protocol,
+            rdma_devices=rdma_devices,
+            local_buffer_bytes=local_buffer_bytes,
+            timeout_s=timeout_s,
+            **kwargs,
+        )
+        _import_store()  # a missing library is an error at once, whatever `require` says
+        with self._lock:
+            deadline = time.monotonic() + max(connect_timeout_s, timeout_s)
+            code = self._attempt(deadline, force=True)
+        if code != OK and require:
+            reason = self._last_error
+            self.close()
+            where = self.master_addr if self.mode == "tcp" else self.client_addr
+            raise StoreError(
+                f"cannot connect to the Mooncake store at {where} ({self.mode} mode): {reason}. "
+                "Is it running? Check with: lmcache-mooncake store status"
+            )
+        return self
+
+    @classmethod
+    def from_state(cls, state_dir: Path | str | None = None, mode: str = "tcp", **kwargs: Any) -> StoreClient:
+        """:meth:`connect` to the store recorded by the launcher in ``state_dir``."""
+        st = read_state(state_dir)
+        if st is None:
+            raise StoreError(
+                f"no store recorded in {state_dir or 'the default state dir'}; "
+                "start one with: lmcache-mooncake store up"
+            )
+        return cls.connect(st.master_addr, st.metadata_url, mode=mode, client_addr=st.client_addr, **kwargs)
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy and not self._closed
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since creation, plus ``healthy``, ``mode`` and ``last_error``."""
+        out: dict[str, Any] = dict(self._stats)
+        out.update(healthy=self.healthy, mode=self.mode, last_error=self._last_error)
+        return out
+
+    def _mark_unhealthy(self, reason: str) -> None:
+        with self._state_lock:
+            if self._healthy:
+                log.warning(
+                    "Mooncake store client unhealthy: %s; calls return misses until it reconnects", reason
+                )
+                self._backoff = self.retry_interval_s
+            self._healthy = False
+            self._last_error = reason
+            self._next_attempt = time.monotonic() + self._backoff
+            self._backoff = min(self._backoff * 2, self.max_retry_interval_s)
+
+    def _mark_healthy(self, how: str) -> None:
+        with self._state_lock:
+            was = self._healthy
+            self._healthy = True
+            self._probe_failures = 0
+            self._backoff = self.retry_interval_s
+        if not was:
+            self._stats["reconnects"] += 1
+            log.info("Mooncake store client connected (%s, %s mode)", how, self.mode)
+
+    def _attempt(self, deadline: float, force: bool = False) -> int:
+        """Make the client usable, or say why not. Caller holds ``self._lock``."""
+        if self._closed:
+            return ERR_CLOSED
+        if self._healthy and self._store is not None:
+            return OK
+        now = time.monotonic()
+        if (now < self._next_attempt and not force) or self._worker.busy():
+            return ERR_UNAVAILABLE
+        for host, port in self._targets:
+            if not _can_connect(host, port, min(0.5, deadline - now)):
+                self._mark_unhealthy(f"nothing accepts connections at {host}:{port}")
+                return ERR_UNAVAILABLE
+        if self._store is not None and self._probe_failures < self.rebuild_after:
+            fn, what = self._job_probe, "probe"
+        else:
+            fn, what = self._job_rebuild, "setup"
+        ok, val = self._run(fn, deadline, what)
+        if not ok:
+            if val == ERR_INTERNAL:  # the binding raised: back off like any failure
+                self._mark_unhealthy(self._last_error)
+            return val
+        return OK if self._healthy else ERR_UNAVAILABLE
+
+    # Jobs (run on the worker thread) -------------------------------------
+
+    def _job_probe(self) -> None:
+        store = self._store
+        r = store.batch_is_exist([_PROBE_KEY])
+        if r and r[0] in (0, 1):
+            self._mark_healthy("probe answered")
+        else:
+            self._probe_failures += 1
+            self._mark_unhealthy(f"probe failed ({describe(int(r[0]) if r else -1)})")
+
+    def _job_rebuild(self) -> None:
+        MooncakeDistributedStore = _import_store()
+        old, self._store = self._store, None
+        if old is not None:
+            self._release_staging(old)
+            with contextlib.suppress(Exception):
+                old.close()
+        store = MooncakeDistributedStore()
+        if self.mode == "shm":
+            rc = store.setup_dummy(0, 0, self.client_addr)
+        else:
+            rc = store.setup(
+                self.local_hostname,
+                self.metadata_url,
+                self.global_segment_bytes,
+                0,  # Mooncake's own local buffer: unused, we register our staging region
+                self.protocol,
+                self.rdma_devices,
+                self.master_addr,
+            )
+        if rc != 0:
+            with contextlib.suppress(Exception):
+                store.close()
+            self._mark_unhealthy(f"Mooncake setup returned {rc}")
+            return
+        err = self._attach_staging(store)
+        if err:
+            with contextlib.suppress(Exception):
+                store.close()
+            self._mark_unhealthy(err)
+            return
+        self._store = store
+        self._stats["rebuilds"] += 1
+        self._mark_healthy("setup")
+
+    def _attach_staging(self, store: Any) -> str | None:
+        size = self.local_buffer_bytes
+        if self.mode == "shm":
+            # Shared memory the storage process maps: Mooncake's memfd pool.
+            ptr = int(store.alloc_from_mem_pool(size))
+            if not ptr:
+                return f"cannot allocate {size} bytes of shared memory (alloc_from_mem_pool)"
+            mem = (ctypes.c_char * size).from_address(ptr)
+        else:
+            if self._staging_mem is None:
+                mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                self._staging_mem = mm
+                self._staging_ptr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+            ptr, mem = self._staging_ptr, self._staging_mem
+        rc = store.register_buffer(ptr, size)
+        if rc != 0:
+            return f"register_buffer of the {size}-byte staging region returned {rc}"
+        self._staging_ptr, self._staging_mem, self._staging_tensor = ptr, mem, None
+        return None
+
+    def _release_staging(self, store: Any) -> None:
+        if not self._staging_ptr:
+            return
+        with contextlib.suppress(Exception):
+            store.unregister_buffer(self._staging_ptr)
+        if self.mode == "shm":
+            # Mooncake has no Python call to free pool memory; give its pages back.
+            with contextlib.suppress(Exception):
+                libc = ctypes.CDLL(None, use_errno=True)
+                libc.madvise(
+                    ctypes.c_void_p(self._staging_ptr), ctypes.c_size_t(self.local_buffer_bytes), _MADV_REMOVE
+                )
+            self._staging_ptr, self._staging_mem, self._staging_tensor = 0, None, None
+
+    # Running a job with a deadline ---------------------------------------
+
+    def _run(self, fn: Callable[[], Any], deadline: float, what: str) -> tuple[bool, Any]:
+        if self._worker.busy():
+            self._stats["unavailable"] += 1
+            return False, ERR_UNAVAILABLE
+        job = self._worker.submit(fn)
+        wait = max(deadline - time.monotonic(), 0.0)
+        if not job.done.wait(wait):
+            self._stats["timeouts"] += 1
+            self._mark_unhealthy(f"{what} did not finish within {wait:.3g} s")
+            return False, ERR_TIMEOUT
+        if job.error is not None:
+            log.error("Mooncake %s raised %r", what, job.error)
+            self._last_error = f"{what} raised {job.error!r}"
+            return False, ERR_INTERNAL
+        return True, job.result
+
+    def _begin(self) -> tuple[float, int]:
+        """Take the caller lock and make sure we are connected. Returns (deadline, code)."""
+        deadline = time.monotonic() + self.timeout_s
+        if not self._lock.acquire(timeout=self.timeout_s):
+            self._stats["unavailable"] += 1
+            return deadline, ERR_UNAVAILABLE
+        try:
+            code = self._attempt(deadline)
+        except BaseException:
+            self._lock.release()
+            raise
+        if code != OK:
+            self._stats["unavailable"] += 1
+            self._lock.release()
+        return deadline, code
+
+    def _check_codes(self, codes: Sequence[int], what: str) -> None:
+        bad = [c for c in codes if c in _CONNECTION_CODES]
+        if bad:
+            self._stats["connection_errors"] += 1
+            self._mark_unhealthy(f"{what} got {describe(bad[0])}")
+
+    # ------------------------------------------------------------------ API
+
+    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        """Which keys the store holds. False for missing keys and on any failure."""
+        keys = list(keys)
+        if not keys:
+            return []
+        self._stats["exists_calls"] += 1
+        deadline, code = self._begin()
+        if code != OK:
+            return [False] * len(keys)
+        try:
+            store = self._store
+            ok, val = self._run(lambda: store.batch_is_exist(keys), deadline, "batch_is_exist")
+            if not ok:
+                return [False] * len(keys)
+            codes = [int(v) for v in val]
+            self._check_codes(codes, "batch_is_exist")
+            return [c == 1 for c in codes]
+        finally:
+            self._lock.release()
+
+    def batch_put(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
+        """Store each buffer under its key. Per key: 0 stored (or already present), negative: not stored.
+
+        ``buffers``: bytes-like objects (bytes, bytearray, memoryview, numpy
+        arrays) or contiguous torch tensors (CPU or device), any dtype; the
+        stored object is their raw bytes.
+        """
+        return self._transfer(list(keys), list(buffers), put=True)
+
+    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
+        """Read each key into its buffer. Per key: bytes read (>= 0), -704 missing, other negative: failed.
+
+        ``buffers`` must be writable and at least as large as the object
+        (else -600); only the first ``n`` bytes are written on success.
+        """
+        return self._transfer(list(keys), list(buffers), put=False)
+
+    def _transfer(self, keys: list[str], buffers: list[Any], put: bool) -> list[int]:
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        n = len(keys)
+        if n == 0:
+            return []
+        self._stats["put_calls" if put else "get_calls"] += 1
+        results = [ERR_BAD_BUFFER] * n
+        items: list[tuple[int, _Buf]] = []
+        sizes_by_index = [0] * n
+        for i, b in enumerate(buffers):
+            rb = _resolve(b, writable=not put)
+            if rb is None:
+                continue
+            sizes_by_index[i] = rb.nbytes
+            if rb.nbytes > self.local_buffer_bytes:
+                results[i] = ERR_TOO_LARGE
+                continue
+            items.append((i, rb))
+        # Pack into rounds that fit the staging region.
+        rounds: list[list[tuple[int, _Buf, int]]] = []
+        cur: list[tuple[int, _Buf, int]] = []
+        off = 0
+        for i, rb in items:
+            size = (rb.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+            if cur and off + size > self.local_buffer_bytes:
+                rounds.append(cur)
+                cur, off = [], 0
+            cur.append((i, rb, off))
+            off += size
+        if cur:
+            rounds.append(cur)
+        if rounds:
+            deadline, code = self._begin()
+            if code != OK:
+                for rnd in rounds:
+                    for i, _, _ in rnd:
+                        results[i] = code
+            else:
+                try:
+                    self._do_rounds(keys, rounds, results, deadline, put)
+                finally:
+                    self._lock.release()
+        self._count(results, sizes_by_index, put)
+        return results
+
+    def _do_rounds(
+        self,
+        keys: list[str],
+        rounds: list[list[tuple[int, _Buf, int]]],
+        results: list[int],
+        deadline: float,
+        put: bool,
+    ) -> None:
+        what = "batch_put_from" if put else "batch_get_into"
+        for r, rnd in enumerate(rounds):
+            code = self._attempt(deadline) if r else OK
+            if code == OK and time.monotonic() >= deadline:
+                code = ERR_TIMEOUT
+            if code != OK:
+                for later in rounds[r:]:
+                    for i, _, _ in later:
+                        results[i] = code
+                return
+            store, base = self._store, self._staging_ptr
+            rkeys = [keys[i] for i, _, _ in rnd]
+            ptrs = [base + off for _, _, off in rnd]
+            sizes = [rb.nbytes for _, rb, _ in rnd]
+            if put:
+                for _, rb, off in rnd:
+                    self._copy_in(rb, off)
+                fn = functools.partial(store.batch_put_from, rkeys, ptrs, sizes, self._replicate_config())
+            else:
+                fn = functools.partial(store.batch_get_into, rkeys, ptrs, sizes)
+            ok, val = self._run(fn, deadline, what)
+            if not ok:
+                for later in rounds[r:]:
+                    for i, _, _ in later:
+                        results[i] = val
+                return
+            codes = [int(v) for v in val] + [ERR_INTERNAL] * (len(rnd) - len(val))
+            for (i, rb, off), c in zip(rnd, codes, strict=False):
+                if not put and c > 0:
+                    self._copy_out(rb, off, min(c, rb.nbytes))
+                results[i] = c
+            self._check_codes(codes, what)
+            if not self._healthy:
+                for later in rounds[r + 1 :]:
+                    for i, _, _ in later:
+                        results[i] = ERR_UNAVAILABLE
+                return
+
+    def _replicate_config(self) -> Any:
+        """Mooncake's per-put replication settings (``replica_num`` copies)."""
+        if self._replicate is None:
+            from mooncake.store import ReplicateConfig
+
+            cfg = ReplicateConfig()
+            cfg.replica_num = self.replica_num
+            self._replicate = cfg
+        return self._replicate
+
+    def _torch_staging(self) -> Any:
+        import torch
+
+        if self._staging_tensor is None:
+            mem = (ctypes.c_char * self.local_buffer_bytes).from_address(self._staging_ptr)
+            self._staging_tensor = torch.frombuffer(mem, dtype=torch.uint8)
+        return self._staging_tensor
+
+    def _copy_in(self, rb: _Buf, off: int) -> None:
+        if rb.nbytes == 0:
+            return
+        if rb.tensor is not None:
+            self._torch_staging()[off : off + rb.nbytes].copy_(_tensor_bytes(rb.tensor))
+        else:
+            ctypes.memmove(self._staging_ptr + off, rb.ptr, rb.nbytes)
+
+    def _copy_out(self, rb: _Buf, off: int, n: int) -> None:
+        if rb.tensor is not None:
+            _tensor_bytes(rb.tensor)[:n].copy_(self._torch_staging()[off : off + n])
+        else:
+            ctypes.memmove(rb.ptr, self._staging_ptr + off, n)
+
+    def _count(self, results: list[int], sizes: list[int], put: bool) -> None:
+        s = self._stats
+        for c, size in zip(results, sizes, strict=True):
+            if put:
+                if c == OK:
+                    s["puts_ok"] += 1
+                    s["bytes_put"] += size
+                else:
+                    s["puts_failed"] += 1
+            elif c >= 0:
+                s["gets_hit"] += 1
+                s["bytes_got"] += c
+            elif c == NOT_FOUND:
+                s["gets_missed"] += 1
+            else:
+                s["gets_failed"] += 1
+
+    # ------------------------------------------------------------------ close
+
+    def close(self) -> None:
+        """Detach from the store (bounded by ``timeout_s``). Further calls return ERR_CLOSED / misses."""
+        if self._closed:
+            return
+        got = self._lock.acquire(timeout=self.timeout_s)
+        try:
+            self._closed = True
+            self._healthy = False
+            store, self._store = self._store, None
+            if store is not None:
+
+                def _close() -> None:
+                    self._release_staging(store)
+                    store.close()
+
+                if self._worker.busy():
+                    _ABANDONED.append((store, self._staging_mem))
+                else:
+                    job = self._worker.submit(_close)
+                    if not job.done.wait(self.timeout_s):
+                        _ABANDONED.append((store, self._staging_mem))
+            self._worker.stop()
+        finally:
+            if got:
+                self._lock.release()
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _tensor_bytes(t: Any) -> Any:
+    """A contiguous tensor's storage as a flat uint8 view (same memory)."""
+    import torch
+
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _import_store() -> Any:
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as e:
+        hint = missing_library_hint(str(e))
+        if hint:
+            raise StoreError(f"cannot load Mooncake: {hint}") from e
+        raise StoreError(
+            f"cannot import mooncake.store ({e}); install mooncake-transfer-engine-non-cuda==0.3.13.post1 "
+            "(or mooncake-transfer-engine on CUDA hosts)"
+        ) from e
+    return MooncakeDistributedStore
