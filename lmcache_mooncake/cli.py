@@ -143,6 +143,24 @@ def _make_model(argv: list[str]) -> int:
     return main_make_model(argv)
 
 
+def _serve(argv: list[str]) -> int:
+    from lmcache_mooncake.serve import main_serve
+
+    return main_serve(argv)
+
+
+def _up(argv: list[str]) -> int:
+    from lmcache_mooncake.stack import main_up
+
+    return main_up(argv)
+
+
+def _proxy(argv: list[str]) -> int:
+    from lmcache_mooncake.proxy import main_proxy
+
+    return main_proxy(argv)
+
+
 def _demo(argv: list[str]) -> int:
     from lmcache_mooncake.demo import main_demo
 
@@ -152,6 +170,9 @@ def _demo(argv: list[str]) -> int:
 COMMANDS = {
     "store": (_store, "start, inspect or stop the embedded Mooncake Store (up | status | down)"),
     "check-config": (_check_config, "validate a configuration file and print it resolved"),
+    "up": (_up, "the whole local stack: store, prefill and decode vLLM, proxy (--demo: show it working)"),
+    "proxy": (_proxy, "OpenAI-compatible router: prompt to a prefill instance, then to a decode instance"),
+    "serve": (_serve, "start vLLM's OpenAI server as a prefill, decode or both instance with the connector"),
     "make-model": (_make_model, "build a deterministic test model folder (no hub needed)"),
     "demo": (_demo, "run one vLLM instance twice on a generated model and show the cache hits"),
 }

@@ -128,6 +128,9 @@ class CacheConfig:
     lookup_timeout: float = 5.0
     #: Folder for sockets and run state; default: a folder under the temp dir.
     run_dir: str | None = None
+    #: Consumer: seconds to wait for chunks a producer promised (in the
+    #: request's kv_transfer_params) before computing what is missing.
+    load_wait_timeout: float = 5.0
     #: The shared remote tier; absent or null: CPU and disk tiers only.
     mooncake: MooncakeConfig | None = None
 
@@ -163,6 +166,8 @@ class CacheConfig:
                 f"load_failure_policy: {self.load_failure_policy!r} is not one of "
                 "'recompute', 'fail'"
             )
+        if self.load_wait_timeout < 0:
+            raise ConfigError(f"load_wait_timeout: {self.load_wait_timeout} must be 0 or more seconds")
         if self.lookup_timeout <= 0:
             raise ConfigError(f"lookup_timeout: {self.lookup_timeout} must be above 0 seconds")
 

@@ -33,7 +33,7 @@ from lmcache.v1.token_database import TokenDatabase
 from lmcache_mooncake import layouts
 from lmcache_mooncake.config import CacheConfig, MooncakeConfig
 from lmcache_mooncake.keys import KeyNamespace, chunk_keys
-from lmcache_mooncake.tiers import PENDING, disk
+from lmcache_mooncake.tiers import WRITES, disk
 
 logger = logging.getLogger(__name__)
 
@@ -227,12 +227,12 @@ def _no_broadcast_object(obj: Any, src: int) -> Any:
 
 def pending_writes(engine: LMCacheEngine) -> int:
     """Chunks handed to slower tiers (disk, store) whose writes have not finished."""
-    return PENDING.count
+    return WRITES.count
 
 
 def drain(engine: LMCacheEngine, timeout: float) -> bool:
     """Wait until every write to slower tiers has finished; False on timeout."""
-    return PENDING.wait(timeout)
+    return WRITES.wait(timeout)
 
 
 def close_engine(engine: LMCacheEngine, instance_id: str, timeout: float = 60.0) -> None:

@@ -31,6 +31,8 @@ class PromptResult:
     cached_tokens: int
     output_ids: list[int]
     ttft_s: float
+    #: What the connector returned for this request (a producer's promise).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass
@@ -105,11 +107,17 @@ class Instance:
         self._batches = 0
 
     def run(self, prompts: list[list[int]], cache_salts: list[str | None] | None = None,
-            timeout_s: float | None = None) -> list[PromptResult]:
-        """Run one batch (each prompt alone, in order) and return its results."""
+            timeout_s: float | None = None,
+            kv_transfer_params: list[dict[str, Any] | None] | None = None) -> list[PromptResult]:
+        """Run one batch (each prompt alone, in order) and return its results.
+
+        ``kv_transfer_params``: per prompt, passed to vLLM as the request's
+        kv_transfer_params (what a proxy copies from a producer's response).
+        """
         i = self._batches
         self._batches += 1
-        batch = {"prompts": prompts, "cache_salts": cache_salts or [None] * len(prompts)}
+        batch = {"prompts": prompts, "cache_salts": cache_salts or [None] * len(prompts),
+                 "kv_transfer_params": kv_transfer_params or [None] * len(prompts)}
         tmp = self.work_dir / f".batch-{i}.json"
         tmp.write_text(json.dumps(batch))
         tmp.rename(self.work_dir / f"batch-{i}.json")
@@ -199,8 +207,9 @@ def _child(work_dir: str) -> None:
             req["cache_salt"] = salt
         return req
 
-    greedy = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens)
-    first_token = SamplingParams(temperature=0.0, max_tokens=1)
+    def params(max_tokens: int, ktp: dict[str, Any] | None) -> SamplingParams:
+        extra = {"kv_transfer_params": ktp} if ktp else None
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, extra_args=extra)
     i = 0
     while True:
         batch_path = work / f"batch-{i}.json"
@@ -212,21 +221,23 @@ def _child(work_dir: str) -> None:
             time.sleep(0.05)
         batch = json.loads(batch_path.read_text())
         results = []
-        for tokens, salt in zip(batch["prompts"], batch["cache_salts"], strict=True):
+        for tokens, salt, ktp in zip(batch["prompts"], batch["cache_salts"], batch["kv_transfer_params"],
+                                     strict=True):
             ttft = 0.0
             if spec.measure_ttft:
                 # Measured first, on the cold path: this is the request that may load.
                 t0 = time.perf_counter()
-                first = llm.generate([request(tokens, salt)], first_token, use_tqdm=False)[0]
+                first = llm.generate([request(tokens, salt)], params(1, ktp), use_tqdm=False)[0]
                 ttft = time.perf_counter() - t0
                 cached = first.num_cached_tokens or 0
-                out = llm.generate([request(tokens, salt)], greedy, use_tqdm=False)[0]
+                out = llm.generate([request(tokens, salt)], params(spec.max_tokens, ktp), use_tqdm=False)[0]
             else:
                 t0 = time.perf_counter()
-                out = llm.generate([request(tokens, salt)], greedy, use_tqdm=False)[0]
+                out = llm.generate([request(tokens, salt)], params(spec.max_tokens, ktp), use_tqdm=False)[0]
                 ttft = time.perf_counter() - t0  # whole request; a bound on TTFT
                 cached = out.num_cached_tokens or 0
-            results.append(asdict(PromptResult(len(tokens), int(cached), list(out.outputs[0].token_ids), ttft)))
+            results.append(asdict(PromptResult(len(tokens), int(cached), list(out.outputs[0].token_ids), ttft,
+                                               out.kv_transfer_params)))
         tmp = work / f".result-{i}.json"
         tmp.write_text(json.dumps(results))
         tmp.rename(work / f"result-{i}.json")

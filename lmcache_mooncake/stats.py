@@ -66,8 +66,8 @@ STATS = Stats()
 
 
 def read_stats(run_dir: str | os.PathLike[str]) -> dict[str, int]:
-    """Sum the counters every worker of an instance wrote under ``run_dir``."""
+    """Sum the counters every process of an instance (scheduler, workers) wrote under ``run_dir``."""
     total: Counter[str] = Counter()
-    for p in Path(run_dir).glob("stats-rank*.json"):
+    for p in Path(run_dir).glob("stats-*.json"):
         total.update(json.loads(p.read_text()))
     return dict(total)

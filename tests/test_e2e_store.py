@@ -61,7 +61,8 @@ def spec_for(model: Path, store_dir: Path, run_dir: Path, **kw) -> RunSpec:
         "run_dir": str(run_dir),
         "mooncake": {"store_dir": str(store_dir), "timeout": TIMEOUT},
     }
-    return RunSpec(model=str(model), prompts=[], extra_config=extra, prefix_caching=False, max_tokens=10, **kw)
+    kw.setdefault("prompts", [])
+    return RunSpec(model=str(model), extra_config=extra, prefix_caching=False, max_tokens=10, **kw)
 
 
 def namespace(model: Path) -> KeyNamespace:
@@ -197,3 +198,36 @@ def test_store_smaller_than_working_set_evicts_and_stays_correct(model, tmp_path
         assert 0 < hits < sum(len(p) - 1 for p in prompts)  # some, not all: the store evicted
     finally:
         stop_store(sd)
+
+
+def test_producer_then_consumer_roles(model, store, baseline, tmp_path):
+    prompts = PROMPTS
+    prod = spec_for(model, store, tmp_path / "p-run", kv_role="kv_producer")
+    with Instance(prod, tmp_path / "p") as inst:
+        res_p = inst.run(prompts)
+        inst.stop()
+    promises = [r.kv_transfer_params for r in res_p]
+    for p, promise in zip(prompts, promises, strict=True):
+        assert promise == {"lmcache_mooncake": {"stored_prompt_tokens": len(p)}}
+    # The producer held each request until its chunks were in the store.
+    assert read_stats(tmp_path / "p-run")["producer_requests_durable"] == len(prompts)
+
+    cons = spec_for(model, store, tmp_path / "c-run", kv_role="kv_consumer")
+    cons.extra_config["load_wait_timeout"] = 2.0
+    never_stored = rand_prompts(8, [600])  # in the baseline, never written by anyone
+    with Instance(cons, tmp_path / "c") as inst:
+        res_c = inst.run(prompts, kv_transfer_params=promises)
+        # A promise nobody kept: the consumer waits up to load_wait_timeout, then computes.
+        fake = [{"lmcache_mooncake": {"stored_prompt_tokens": 600}}]
+        res_fake = inst.run(never_stored, kv_transfer_params=fake)
+        inst.stop()
+    for p, r in zip(prompts, res_c, strict=True):
+        assert r.output_ids == baseline[tuple(p)]
+    expect_full_hits(res_c, prompts)
+    assert res_fake[0].output_ids == baseline[tuple(never_stored[0])]
+    assert res_fake[0].cached_tokens == 0
+    assert res_fake[0].ttft_s >= 2.0
+    stats = read_stats(tmp_path / "c-run")
+    assert stats["consumer_requests"] == len(prompts) + 1
+    assert stats["consumer_short_hits"] == 1
+    assert stats.get("store_puts", 0) == 0  # a consumer saves nothing

@@ -98,7 +98,8 @@ class LMCacheMooncakeConnector(KVConnectorBase_V1):
             # must instead recompute. The scheduler reads this after building us.
             ktc.kv_load_failure_policy = self.cfg.load_failure_policy
             self._scheduler = SchedulerSide(
-                self.cfg, block_size, LookupClient(socket, self.cfg.lookup_timeout), save=save, load=load
+                self.cfg, block_size, LookupClient(socket, self.cfg.lookup_timeout), save=save, load=load,
+                stats_path=self.run_dir / "stats-scheduler.json",
             )
         else:
             from vllm.distributed.parallel_state import (
@@ -116,6 +117,7 @@ class LMCacheMooncakeConnector(KVConnectorBase_V1):
                 instance_id=f"lmcm-{engine_id}",
                 tp_rank=get_tensor_model_parallel_rank(),
                 tp_size=get_tensor_model_parallel_world_size(),
+                producer=save and not load,
             )
         logger.info("LMCacheMooncakeConnector (%s, %s) config: %s", role.name, ktc.kv_role, self.cfg)
 
@@ -151,8 +153,10 @@ class LMCacheMooncakeConnector(KVConnectorBase_V1):
         self._worker.save(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Worker: no asynchronous sends or receives are in flight."""
-        return None, None
+        """Worker: a producer's finished requests whose chunks are now written
+        (vLLM frees their blocks then); loads are synchronous, so none here."""
+        assert self._worker is not None
+        return self._worker.get_finished(finished_req_ids), None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Worker: blocks whose planned load failed this step; vLLM recomputes them."""

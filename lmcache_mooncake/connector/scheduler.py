@@ -8,12 +8,15 @@ worker carries out. It holds no KV itself.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lmcache_mooncake.config import CacheConfig
 from lmcache_mooncake.connector.lookup import LookupClient
 from lmcache_mooncake.connector.metadata import LoadOp, SaveOp, StepMetadata, slots_for
+from lmcache_mooncake.stats import Stats
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -21,6 +24,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
+
+# A consumer waiting for promised chunks looks them up at most this often.
+_RECHECK_S = 0.05
 
 
 @dataclass
@@ -34,6 +40,12 @@ class _Tracked:
     external_hit: int = 0  # prompt tokens the tiers hold (chunk-aligned or the whole prompt)
     load: tuple[int, int] | None = None  # planned [start, end) to load
     saved: bool = False
+    save_planned: bool = False  # a SaveOp went to the workers: they report when it is written
+    stored_tokens: int = 0  # prompt tokens the tiers hold or will hold once the save is written
+
+
+#: Key of our entry in a request's kv_transfer_params.
+PARAMS_KEY = "lmcache_mooncake"
 
 
 def _lora_name(request: Request) -> str | None:
@@ -42,7 +54,8 @@ def _lora_name(request: Request) -> str | None:
 
 
 class SchedulerSide:
-    def __init__(self, cfg: CacheConfig, block_size: int, lookup: LookupClient, save: bool, load: bool):
+    def __init__(self, cfg: CacheConfig, block_size: int, lookup: LookupClient, save: bool, load: bool,
+                 stats_path: Path):
         self.cfg = cfg
         self.block_size = block_size
         self.lookup_client = lookup
@@ -57,15 +70,43 @@ class SchedulerSide:
         self._local: dict[str, int] = {}
         self._planned_loads: dict[str, tuple[int, int]] = {}
         self._reqs: dict[str, _Tracked] = {}
+        # Consumer: when we first looked for chunks a producer promised.
+        self._waiting_since: dict[str, float] = {}
+        self._last_lookup: dict[str, float] = {}
+        self.producer = save and not load
+        self.stats = Stats()
+        self.stats_path = stats_path
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         prompt = list(request.prompt_token_ids or [])
         if not self.load_enabled and not self.save_enabled:
             return 0, False
+        req_id = request.request_id
+        promised = self._promised(request, len(prompt))
+        now = time.monotonic()
+        if promised and now - self._last_lookup.get(req_id, 0.0) < _RECHECK_S:
+            return None, False  # asked again too soon: no new lookup yet
+        self._last_lookup[req_id] = now
         salt, lora = request.cache_salt, _lora_name(request)
         hit = self.lookup_client.lookup(prompt, salt, lora)
-        self._hits[request.request_id] = (hit, salt, lora)
-        self._local[request.request_id] = num_computed_tokens
+        if promised and hit < promised:
+            # The producer's writes may still be on their way: ask vLLM to
+            # come back, up to load_wait_timeout, then compute the rest.
+            since = self._waiting_since.setdefault(req_id, now)
+            if now - since < self.cfg.load_wait_timeout:
+                return None, False
+            self.stats.add("consumer_short_hits")
+            self.stats.add("consumer_missing_tokens", promised - hit)
+            logger.warning(
+                "request %s: the producer promised %d cached tokens, %d found after %.1f s; computing the rest",
+                req_id, promised, hit, now - since,
+            )
+        if promised:
+            self.stats.add("consumer_requests")
+            self.stats.add("consumer_wait_ms", int((now - self._waiting_since.pop(req_id, now)) * 1000))
+        self._last_lookup.pop(req_id, None)
+        self._hits[req_id] = (hit, salt, lora)
+        self._local[req_id] = num_computed_tokens
         if not self.load_enabled:
             return 0, False
         # vLLM must compute at least one prompt token to sample the next one.
@@ -76,6 +117,19 @@ class SchedulerSide:
             request.request_id, len(prompt), hit, num_computed_tokens, new,
         )
         return new, False
+
+    def _promised(self, request: Request, prompt_len: int) -> int:
+        """Prompt tokens a producer said it stored (0 if none, or not a consumer)."""
+        if not self.load_enabled:
+            return 0
+        params = getattr(request, "kv_transfer_params", None) or {}
+        ours = params.get(PARAMS_KEY) if isinstance(params, dict) else None
+        if not isinstance(ours, dict):
+            return 0
+        try:
+            return min(int(ours.get("stored_prompt_tokens", 0)), prompt_len)
+        except (TypeError, ValueError):
+            return 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         start = self._local.pop(request.request_id, 0)
@@ -128,6 +182,7 @@ class SchedulerSide:
             self._hits.pop(req_id, None)
             self._planned_loads.pop(req_id, None)
             self._local.pop(req_id, None)
+        self.stats.dump(self.stats_path)
         return meta
 
     def _load_op(self, req_id: str, t: _Tracked) -> LoadOp:
@@ -150,10 +205,14 @@ class SchedulerSide:
             return
         t.saved = True
         n = len(t.token_ids)
+        size = self.cfg.chunk_size
         # Chunks the tiers already hold are not copied again.
-        skip = (t.external_hit // self.cfg.chunk_size) * self.cfg.chunk_size
-        if t.external_hit >= n or (not self.cfg.save_unfull_chunk and n - skip < self.cfg.chunk_size):
+        skip = (t.external_hit // size) * size
+        storable = n if self.cfg.save_unfull_chunk else (n // size) * size
+        t.stored_tokens = max(storable, min(t.external_hit, n))
+        if t.external_hit >= n or storable <= skip:
             return
+        t.save_planned = True
         meta.saves.append(
             SaveOp(
                 req_id=req_id,
@@ -166,10 +225,19 @@ class SchedulerSide:
         )
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        # Saves are copied out of paged KV within the step that plans them, so
-        # the blocks may be freed at once.
-        self._reqs.pop(request.request_id, None)
-        return False, None
+        """A producer holds the request (reported finished by the workers only
+        once its chunks are written) and tells the consumer what it stored."""
+        req_id = request.request_id
+        t = self._reqs.pop(req_id, None)
+        self._waiting_since.pop(req_id, None)
+        self._last_lookup.pop(req_id, None)
+        if not self.producer or t is None or not t.stored_tokens:
+            return False, None
+        params = {PARAMS_KEY: {"stored_prompt_tokens": t.stored_tokens}}
+        # Saves copy out of paged KV within their step; what we wait for is the
+        # write to the shared tier, reported by the workers in get_finished.
+        return t.save_planned, params
 
     def shutdown(self) -> None:
+        self.stats.dump(self.stats_path, force=True)
         self.lookup_client.close()

