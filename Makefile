@@ -1,5 +1,5 @@
 # The README's two commands: `make demo` and `make test`. Each sets itself up.
-.PHONY: setup test demo lint clean
+.PHONY: setup test demo demo-single lint clean
 
 setup:
 	@bash scripts/setup.sh
@@ -7,7 +7,13 @@ setup:
 test: setup
 	.venv/bin/python -m pytest
 
+# The main job: store, prefill and decode vLLM and the proxy on this host, demo
+# requests through the proxy, a table, then everything is stopped.
 demo: setup
+	.venv/bin/lmcache-mooncake up --demo
+
+# One vLLM instance run twice (disk tier only): the core connector on its own.
+demo-single: setup
 	.venv/bin/lmcache-mooncake demo
 
 lint: setup

@@ -301,16 +301,9 @@ def _mooncake_version() -> str:
 
 
 def run(args: argparse.Namespace, state: Any, report: dict[str, Any], opened: list[Any]) -> None:
-    sizes = [int(float(x) * MiB) for x in args.sizes.split(",") if x.strip()]
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    for m in modes:
-        if m not in ("tcp", "shm"):
-            raise SystemExit(f"--modes: {m!r} is not tcp or shm")
+    sizes, modes = args.size_bytes, args.mode_list
     total = args.total_mib * MiB
     dtype = _DTYPES[args.dtype]
-    for size in sizes:
-        if size > total:
-            raise SystemExit(f"--sizes: {size / MiB:g} MiB is larger than --total-mib {args.total_mib}")
     header_room = 64 * 1024
     max_n = max(total // s for s in sizes)
     staging = total + max_n * header_room  # one StoreClient round per batch, as the tier's 256 MiB does
@@ -486,6 +479,24 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.reps < 1 or args.total_mib < 1:
         raise SystemExit("--reps and --total-mib must be at least 1")
+    # Check everything before the store starts.
+    if args.total_mib * MiB > 0.8 * args.memory_gib * GiB:
+        raise SystemExit(
+            f"--total-mib {args.total_mib} does not fit a {args.memory_gib:g} GiB store; raise --memory-gib"
+        )
+    args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not args.mode_list or any(m not in ("tcp", "shm") for m in args.mode_list):
+        raise SystemExit(f"--modes {args.modes!r}: give tcp, shm or tcp,shm")
+    try:
+        args.size_bytes = [int(float(x) * MiB) for x in args.sizes.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--sizes {args.sizes!r}: give sizes in MiB, e.g. 1,4,16") from None
+    if not args.size_bytes:
+        raise SystemExit("--sizes: give at least one size")
+    for size in args.size_bytes:
+        if not 0 < size <= args.total_mib * MiB:
+            raise SystemExit(f"--sizes: {size / MiB:g} MiB must be above 0 and at most --total-mib")
+        _chunk_shape(size, args.layers, args.hidden, _DTYPES[args.dtype].itemsize)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
 

@@ -51,7 +51,7 @@ class MooncakeConfig:
     rdma_devices: str = ""
     #: "auto": shared memory ("shm") with the store of this host when the
     #: addresses are auto, else "tcp". "shm" moves chunks through shared memory
-    #: with the local storage process (measured 3-4x tcp, docs/performance.md).
+    #: with the local storage process (measured faster than tcp, docs/performance.md).
     mode: str = "auto"
     #: Address this process's transfer engine binds and announces (tcp mode);
     #: default: loopback for a loopback master, else the address facing the master.
