@@ -42,14 +42,6 @@ class Child:
     url: str | None = None
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _tail(path: Path, n: int = 30) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
@@ -159,7 +151,10 @@ def main_up(argv: list[str] | None = None) -> int:
             start_store(StoreSpec(memory_bytes=parse_size(args.store_memory), state_dir=stack.store_dir))
             stack.started_store = True
 
-        ports = {"prefill": _free_port(), "decode": _free_port()}
+        from lmcache_mooncake.store.launcher import free_port
+
+        prefill_port = free_port()
+        ports = {"prefill": prefill_port, "decode": free_port(exclude={prefill_port})}
         # On small CPU machines two vLLMs must not bind OpenMP to the same core.
         cores = sorted(os.sched_getaffinity(0))
         for i, role in enumerate(("prefill", "decode")):

@@ -21,18 +21,10 @@ from lmcache_mooncake.models import ModelSpec, build_model
 from lmcache_mooncake.offline import vllm_env
 from lmcache_mooncake.serve import vllm_command
 from lmcache_mooncake.stats import read_stats
-from lmcache_mooncake.store.launcher import StoreSpec, start_store, stop_store
+from lmcache_mooncake.store.launcher import StoreSpec, free_port, start_store, stop_store
 
 pytestmark = pytest.mark.e2e
 VLLM_ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "4096", "--enable-prompt-tokens-details"]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
