@@ -23,7 +23,7 @@ def main() -> None:
         "kv_connector_module_path": "lmcache_mooncake.connector",
         "kv_role": "kv_both",
         # The YAML file's keys can be given here too; they override the file.
-        "kv_connector_extra_config": {"config_file": "configs/both.yaml", "local_disk": disk},
+        "kv_connector_extra_config": {"config_file": "configs/local.yaml", "local_disk": disk},
     }
     prompt = {"prompt_token_ids": [(i * 7919) % 1900 + 16 for i in range(700)]}
     greedy = SamplingParams(temperature=0.0, max_tokens=16)
