@@ -61,8 +61,11 @@ class MooncakeConfig:
     #: Store memory this process contributes; 0 attaches without owning any,
     #: so a vLLM process that dies loses no chunk.
     global_segment_size: int = 0
-    #: Seconds one store call may take; past it the call is a miss.
+    #: Seconds one store lookup or read may take; past it the call is a miss.
     timeout: float = 2.0
+    #: Seconds one store write may take. Writes run off the request path, so
+    #: they may wait longer; a write that fails is a future miss.
+    put_timeout: float = 10.0
     #: Copies of each chunk the store keeps.
     replica_num: int = 1
     #: Folder where ``store up`` records the embedded store (for "auto").
@@ -97,6 +100,8 @@ class MooncakeConfig:
             raise ConfigError(f"global_segment_size: {self.global_segment_size} is negative")
         if self.timeout <= 0:
             raise ConfigError(f"timeout: {self.timeout} must be above 0 seconds")
+        if self.put_timeout <= 0:
+            raise ConfigError(f"put_timeout: {self.put_timeout} must be above 0 seconds")
         if self.replica_num < 1:
             raise ConfigError(f"replica_num: {self.replica_num} must be at least 1")
 

@@ -615,12 +615,18 @@ class StoreClient:
             return False, ERR_INTERNAL
         return True, job.result
 
-    def _begin(self) -> tuple[float, int]:
-        """Take the caller lock and make sure we are connected. Returns (deadline, code)."""
-        deadline = time.monotonic() + self.timeout_s
-        if not self._lock.acquire(timeout=self.timeout_s):
+    def _begin(self, timeout_s: float | None = None) -> tuple[float, int]:
+        """Take the caller lock and make sure we are connected. Returns (deadline, code).
+
+        The call's own time starts once the lock is held: waiting behind
+        another caller is not the store being slow, and must not mark the
+        client unhealthy. A caller so waits at most twice the timeout.
+        """
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if not self._lock.acquire(timeout=timeout_s):
             self._stats["unavailable"] += 1
-            return deadline, ERR_UNAVAILABLE
+            return time.monotonic(), ERR_UNAVAILABLE
+        deadline = time.monotonic() + timeout_s
         try:
             code = self._attempt(deadline)
         except BaseException:
@@ -659,14 +665,16 @@ class StoreClient:
         finally:
             self._lock.release()
 
-    def batch_put(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
+    def batch_put(self, keys: Sequence[str], buffers: Sequence[Any], timeout_s: float | None = None) -> list[int]:
         """Store each buffer under its key. Per key: 0 stored (or already present), negative: not stored.
 
         ``buffers``: bytes-like objects (bytes, bytearray, memoryview, numpy
         arrays) or contiguous torch tensors (CPU or device), any dtype; the
-        stored object is their raw bytes.
+        stored object is their raw bytes. ``timeout_s``: this call's limit
+        (default: the client's ``timeout_s``); writes off the request path may
+        allow more.
         """
-        return self._transfer(list(keys), list(buffers), put=True)
+        return self._transfer(list(keys), list(buffers), put=True, timeout_s=timeout_s)
 
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
         """Read each key into its buffer. Per key: bytes read (>= 0), -704 missing, other negative: failed.
@@ -676,7 +684,7 @@ class StoreClient:
         """
         return self._transfer(list(keys), list(buffers), put=False)
 
-    def _transfer(self, keys: list[str], buffers: list[Any], put: bool) -> list[int]:
+    def _transfer(self, keys: list[str], buffers: list[Any], put: bool, timeout_s: float | None = None) -> list[int]:
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
         n = len(keys)
@@ -709,7 +717,7 @@ class StoreClient:
         if cur:
             rounds.append(cur)
         if rounds:
-            deadline, code = self._begin()
+            deadline, code = self._begin(timeout_s)
             if code != OK:
                 for rnd in rounds:
                     for i, _, _ in rnd:

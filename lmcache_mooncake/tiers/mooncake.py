@@ -57,6 +57,7 @@ def plugin_extra_config(addresses: dict[str, str], mc: Any) -> dict[str, Any]:
         f"{_PREFIX}.local_buffer_size": int(mc.local_buffer_size),
         f"{_PREFIX}.global_segment_size": int(mc.global_segment_size),
         f"{_PREFIX}.timeout": float(mc.timeout),
+        f"{_PREFIX}.put_timeout": float(mc.put_timeout),
         f"{_PREFIX}.replica_num": int(mc.replica_num),
         "use_exists_sync": True,
     }
@@ -79,6 +80,7 @@ class MooncakeTierConnector(RemoteConnector):
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
         self.timeout = float(opt("timeout"))
+        self.put_timeout = float(opt("put_timeout"))
         # A store that is down at start-up is not an error: calls are misses
         # until it answers (the client reconnects by itself).
         self.client = StoreClient.connect(
@@ -165,7 +167,7 @@ class MooncakeTierConnector(RemoteConnector):
     def _put_sync(self, keys: list[CacheEngineKey], tensors: list[torch.Tensor]) -> None:
         names = [object_name(k) for k in keys]
         blobs = [chunk_format.encode(k.to_string(), t) for k, t in zip(keys, tensors, strict=True)]
-        codes = self.client.batch_put(names, blobs)
+        codes = self.client.batch_put(names, blobs, timeout_s=self.put_timeout)
         for name, blob, code in zip(names, blobs, codes, strict=True):
             if code == 0:
                 STATS.add("store_puts")

@@ -1,0 +1,231 @@
+"""Warm-up end to end: a real store, a real vLLM producer, then a decode instance (vLLM's OpenAI
+server, kv_consumer, store only) that serves the warmed prompts from the store.
+
+Three vLLM processes start together (the warm-up's producer, the decode server and a plain vLLM
+for the reference outputs), so their start-ups overlap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from lmcache_mooncake.keys import KeyNamespace, chunk_keys
+from lmcache_mooncake.models import ModelSpec, build_model
+from lmcache_mooncake.offline import Instance, RunSpec, vllm_env
+from lmcache_mooncake.serve import vllm_command
+from lmcache_mooncake.stats import read_stats
+from lmcache_mooncake.store.client import StoreClient
+from lmcache_mooncake.store.launcher import StoreSpec, start_store, stop_store
+from lmcache_mooncake.warmup import main_warmup, warmup
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).resolve().parent.parent
+CHUNK = 256
+MAX_TOKENS = 8
+WORDS = "the quick brown fox jumps over the lazy dog while the cache keeps every chunk warm".split()
+
+
+def words(seed: int, n: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def ids(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(16, 2000) for _ in range(n)]
+
+
+SYSTEM = "You answer questions about caches. " + words(1, 320)
+INPUTS = [
+    {"id": "text-long", "prompt": "Document: " + words(2, 500)},
+    {"id": "text-short", "prompt": words(3, 40)},
+    {"id": "ids", "prompt_token_ids": ids(4, 700)},
+    {"id": "ids-salted", "prompt_token_ids": ids(5, 300), "cache_salt": "tenant-a"},
+    {"id": "chat-1", "messages": [{"role": "system", "content": SYSTEM},
+                                  {"role": "user", "content": "What is kept? " + words(6, 30)}]},
+    {"id": "chat-2", "messages": [{"role": "system", "content": SYSTEM},
+                                  {"role": "user", "content": "Who writes it?"},
+                                  {"role": "assistant", "content": words(7, 20)},
+                                  {"role": "user", "content": "And who reads it? " + words(8, 60)}]},
+]
+DOC = "A document given as a .txt file. " + words(9, 350)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A vLLM OpenAI server process (as in test_e2e_pd.py), started and waited for separately."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], port: int, log: Path):
+        self.cmd, self.env, self.log = cmd, env, log
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> Server:
+        with open(self.log, "a") as f:
+            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=f, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout_s: float = 420) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert self.proc is not None and self.proc.poll() is None, f"server exited; see {self.log}"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            assert time.monotonic() < deadline, f"server not ready; see {self.log}"
+            time.sleep(0.5)
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    return build_model(ModelSpec(arch="llama", size="tiny", seed=0))
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("warmup-e2e")
+
+
+@pytest.fixture(scope="module")
+def store(work):
+    sd = work / "store"
+    start_store(StoreSpec(memory_bytes=256 << 20, state_dir=sd))
+    yield sd
+    stop_store(sd)
+
+
+@pytest.fixture(scope="module")
+def input_files(work) -> list[Path]:
+    f = work / "inputs.jsonl"
+    f.write_text("".join(json.dumps(x) + "\n" for x in INPUTS))
+    docs = work / "docs"
+    docs.mkdir()
+    (docs / "doc.txt").write_text(DOC)
+    return [f, docs]
+
+
+@pytest.fixture(scope="module")
+def warmed(model, work, store, input_files):
+    """Warm up the inputs while the decode server and the reference vLLM start."""
+    port = free_port()
+    decode = Server(
+        vllm_command("decode", str(model), "127.0.0.1", port, None,
+                     ["--enforce-eager", "--dtype", "float32", "--enable-prompt-tokens-details"],
+                     overrides={"run_dir": str(work / "decode-run"), "mooncake": {"store_dir": str(store)}}),
+        vllm_env(work / "decode"), port, work / "decode.log",
+    )
+    reference = Instance(RunSpec(model=str(model), prompts=[], kv_role=None, prefix_caching=False,
+                                 max_tokens=MAX_TOKENS), work / "reference")
+    try:
+        decode.start()  # waited for after the warm-up
+        summary = warmup(str(model), REPO / "configs/prefill.yaml", input_files, dtype="float32",
+                         overrides={"mooncake": {"store_dir": str(store)}}, batch_size=3,
+                         work_dir=work / "warmup-1", progress=False)
+        reference_out = reference.run([i.token_ids for i in summary.inputs])
+        reference.stop()
+        decode.wait_ready()
+        yield summary, decode, reference_out
+    finally:
+        decode.kill()
+        if reference.proc.poll() is None:
+            reference.kill()
+
+
+def expected_names(model: Path, summary) -> list[str]:
+    """Object names computed here, independently of warmup.py, as the worker of a vLLM
+    serving --model MODEL --dtype float32 names them."""
+    ns = KeyNamespace(model=str(model), kv_dtype="float32", num_layers=4, num_kv_heads=2, head_size=64,
+                      chunk_size=CHUNK)
+    names = []
+    for i in summary.inputs:
+        names += [f"lmcm/{ns.hex()}/{k.as_int:016x}-r0of1-float32" for k in chunk_keys(ns, i.token_ids, i.cache_salt)]
+    return list(dict.fromkeys(names))
+
+
+def test_warmup_writes_every_chunk_under_the_workers_names(model, store, warmed):
+    summary, _, _ = warmed
+    assert summary.ok, summary.format()
+    assert summary.inputs_total == len(INPUTS) + 1 and summary.inputs_done == len(INPUTS) + 1
+    assert summary.inputs_failed == summary.inputs_bad == summary.chunks_missing_after == 0
+    names = expected_names(model, summary)
+    assert sorted(names) == sorted({n for i in summary.inputs for n in i.names})
+    # Shared system-prompt chunks are written once: puts == distinct chunks.
+    assert summary.chunks_written == len(names) == summary.chunks_to_write
+    assert summary.bytes_written > len(names) * 2 * 4 * 128 * 4  # more than the partial chunks' payload alone
+    client = StoreClient.from_state(store, timeout_s=2.0)
+    try:
+        assert all(client.batch_exists(names))
+    finally:
+        client.close()
+    assert summary.prompt_tokens == sum(len(i.token_ids) for i in summary.inputs)
+    assert summary.prompt_tokens_per_s > 0 and summary.work_dir is not None  # we gave the work folder
+
+
+def test_decode_instance_serves_warmed_prompts_from_the_store(model, work, warmed):
+    summary, decode, reference_out = warmed
+    by_id = {i.id: i for i in summary.inputs}
+    doc = next(i for i in summary.inputs if i.kind == "document")
+    requests = [(x, by_id[x["id"]]) for x in INPUTS] + [({"prompt": DOC}, doc)]
+    with httpx.Client(base_url=decode.url, timeout=300) as http:
+        for (x, item), ref in zip(requests, reference_out, strict=True):
+            body = {"model": str(model), "max_tokens": MAX_TOKENS, "temperature": 0.0, "return_token_ids": True}
+            if "cache_salt" in x:
+                body["cache_salt"] = x["cache_salt"]
+            if "messages" in x:
+                r = http.post("/v1/chat/completions", json={**body, "messages": x["messages"]})
+            else:
+                r = http.post("/v1/completions", json={**body, "prompt": x.get("prompt", x.get("prompt_token_ids"))})
+            assert r.status_code == 200, r.text
+            data = r.json()
+            choice, usage = data["choices"][0], data["usage"]
+            # The server rendered the request to exactly the tokens warm-up stored ...
+            assert (data.get("prompt_token_ids") or choice.get("prompt_token_ids")) == item.token_ids, item.where
+            assert usage["prompt_tokens"] == len(item.token_ids)
+            # ... loaded every chunk (the partial last one too) from the store ...
+            assert usage["prompt_tokens_details"]["cached_tokens"] == len(item.token_ids) - 1, item.where
+            # ... and generated what a plain vLLM computes.
+            assert choice["token_ids"] == ref.output_ids, item.where
+    stats = read_stats(work / "decode-run")
+    # Its CPU tier started empty and it has no disk tier: the hits came from the store.
+    assert 0 < stats.get("store_hits", 0) <= len(expected_names(model, summary))
+    assert stats.get("store_puts", 0) == 0 and stats.get("verify_failures", 0) == 0
+
+
+def test_second_warmup_writes_nothing_and_says_so(model, work, store, input_files, warmed, capsys):
+    t0 = time.monotonic()
+    out_json = work / "second.json"
+    rc = main_warmup(["--model", str(model), "--config", str(REPO / "configs/prefill.yaml"), "--dtype", "float32",
+                      *[a for f in input_files for a in ("--input", str(f))], "--no-progress",
+                      "--set", f"mooncake.store_dir={store}", "--summary-json", str(out_json),
+                      "--work-dir", str(work / "warmup-2")])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "nothing to write" in out and "wrote 0 chunks" in out
+    s = json.loads(out_json.read_text())
+    assert s["inputs_skipped"] == len(INPUTS) + 1 and s["inputs_done"] == 0 and s["chunks_written"] == 0
+    assert not (work / "warmup-2" / "vllm").exists()  # no vLLM was started
+    assert time.monotonic() - t0 < 60

@@ -1,0 +1,265 @@
+"""``lmcache-mooncake warmup`` without a vLLM engine: reading and rendering inputs, bad inputs,
+--strict, --dry-run against a real store, and chat rendering equal to vLLM's server rendering."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from lmcache_mooncake.config import load_config
+from lmcache_mooncake.keys import KeyNamespace, chunk_keys
+from lmcache_mooncake.models import ModelSpec, build_model
+from lmcache_mooncake.store.client import StoreClient
+from lmcache_mooncake.store.launcher import StoreSpec, start_store, stop_store
+from lmcache_mooncake.warmup import (
+    BadInputError,
+    WarmupError,
+    get_renderer,
+    key_namespace,
+    main_warmup,
+    object_names,
+    read_inputs,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+SYSTEM = "You are a careful assistant. " * 60  # about 300 tokens: one full chunk and more
+MESSAGES = [
+    {"role": "system", "content": SYSTEM},
+    {"role": "user", "content": "What is in the shared store?"},
+    {"role": "assistant", "content": "Chunks of KV cache."},
+    {"role": "user", "content": "And who writes them?"},
+]
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    return build_model(ModelSpec(arch="llama", size="tiny", seed=0))
+
+
+@pytest.fixture(scope="module")
+def renderer(model):
+    return get_renderer(str(model), "float32")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    sd = tmp_path_factory.mktemp("warmup-store")
+    start_store(StoreSpec(memory_bytes=128 << 20, state_dir=sd))
+    yield sd
+    stop_store(sd)
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_reads_each_input_kind(tmp_path, renderer):
+    ids = [random.Random(1).randrange(16, 2000) for _ in range(300)]
+    f = write_jsonl(tmp_path / "in.jsonl", [
+        {"prompt": "Hello there, general question", "id": "p1"},
+        "",  # blank lines are skipped
+        {"prompt_token_ids": ids, "cache_salt": "tenant-a"},
+        {"messages": MESSAGES, "model": "ignored", "max_tokens": 5},  # other fields are ignored
+    ])
+    docs = tmp_path / "docs"
+    (docs / "sub").mkdir(parents=True)
+    (docs / "b.txt").write_text("Second document.\nWith two lines.\n")
+    (docs / "sub" / "a.txt").write_text("First document, in a sub-folder.")
+    (docs / "notes.md").write_text("not an input")  # other suffixes in a folder are not read
+    single = tmp_path / "single.txt"
+    single.write_text("A single document given by path.")
+
+    good, problems = read_inputs([f, docs, single, {"prompt": "from python"}], renderer)
+    assert problems == []
+    assert [(i.source, i.line, i.kind) for i in good] == [
+        (str(f), 1, "prompt"), (str(f), 3, "prompt_token_ids"), (str(f), 4, "messages"),
+        (str(docs / "b.txt"), 1, "document"), (str(docs / "sub" / "a.txt"), 1, "document"),
+        (str(single), 1, "document"), ("<inputs>", 4, "prompt"),
+    ]
+    assert good[0].id == "p1" and good[1].cache_salt == "tenant-a"
+    assert good[1].token_ids == ids
+    # Text is tokenized as /v1/completions does: with the tokenizer's special tokens (BOS here).
+    bos = 0  # the generated tokenizer's <s>
+    assert good[0].token_ids[0] == bos and good[3].token_ids[0] == bos
+    assert good[3].token_ids == renderer.text("Second document.\nWith two lines.\n")
+    assert good[2].token_ids == renderer.chat(MESSAGES)
+
+
+def test_each_bad_input_names_file_and_line(tmp_path, renderer):
+    max_len = renderer.info.max_model_len
+    f = write_jsonl(tmp_path / "bad.jsonl", [
+        {"prompt": "fine"},                                   # 1
+        '{"prompt": "unterminated',                           # 2 malformed JSON
+        {"cache_salt": "x"},                                  # 3 none of the fields
+        {"prompt": "a", "prompt_token_ids": [5]},             # 4 several
+        {"prompt": ""},                                       # 5 empty
+        {"prompt_token_ids": []},                             # 6 empty
+        {"prompt_token_ids": [7] * max_len},                  # 7 longer than the context
+        {"prompt": "many words here " * 3000},                # 8 longer than the context (text)
+        {"prompt_token_ids": [5, 999999]},                    # 9 outside the vocabulary
+        {"promt": "typo"},                                    # 10 a typo of a field
+        {"prompt": "x", "cache_salt": ""},                    # 11 empty salt
+        {"messages": "hello"},                                # 12 messages not a list
+        {"messages": [1, 2]},                                 # 13 not chat messages
+        '["a", "list"]',                                      # 14 not an object
+    ])
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
+    (tmp_path / "empty.txt").write_text("  \n")
+    (tmp_path / "table.csv").write_text("a,b\n")
+    missing = tmp_path / "missing.jsonl"
+    good, problems = read_inputs([f, tmp_path / "latin1.txt", tmp_path / "empty.txt", tmp_path / "table.csv",
+                                  missing], renderer)
+    assert [g.line for g in good] == [1]
+    expect = [
+        (f, 2, "malformed JSON"), (f, 3, "none of the fields"), (f, 4, "several prompt fields"),
+        (f, 5, "empty prompt"), (f, 6, "empty prompt"), (f, 7, "prompt too long"), (f, 8, "prompt too long"),
+        (f, 9, "outside the model's vocabulary"), (f, 10, "did you mean 'prompt'"), (f, 11, "cache_salt"),
+        (f, 12, "messages must be a non-empty list"), (f, 13, "not a valid OpenAI chat request"),
+        (f, 14, "expected a JSON object"),
+        (tmp_path / "latin1.txt", 1, "not UTF-8"), (tmp_path / "empty.txt", 1, "empty document"),
+        (tmp_path / "table.csv", 1, "not a .jsonl or .txt file"), (missing, 1, "cannot read the file"),
+    ]
+    assert len(problems) == len(expect), "\n".join(map(str, problems))
+    for p, (path, line, what) in zip(problems, expect, strict=True):
+        text = str(p)
+        assert text.startswith(f"{path}:{line}: "), text
+        assert what in text, text
+        assert "; " in text, f"no advice in: {text}"  # "what; what to do"
+    assert f"{max_len} tokens (max_model_len)" in str(problems[5])
+
+
+def test_strict_stops_at_the_first_bad_input(tmp_path, renderer, capsys):
+    f = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "fine"}, "{not json", {}])
+    with pytest.raises(BadInputError) as err:
+        read_inputs([f], renderer, strict=True)
+    assert err.value.problem.line == 2
+    rc = main_warmup(["--model", renderer.info.model, "--config", str(REPO / "configs/prefill.yaml"),
+                      "--dtype", "float32", "--input", str(f), "--strict", "--no-progress"])
+    assert rc == 2
+    err_text = capsys.readouterr().err
+    assert f"{f}:2: malformed JSON" in err_text and f"{f}:3:" not in err_text
+    assert "nothing was written" in err_text
+
+
+def test_dry_run_reports_what_would_be_written_and_starts_nothing(tmp_path, renderer, store, capsys):
+    rng = random.Random(4)
+    a = [rng.randrange(16, 2000) for _ in range(600)]   # 2 full chunks + 88 tokens
+    b = [rng.randrange(16, 2000) for _ in range(256)]   # 1 full chunk
+    f = write_jsonl(tmp_path / "in.jsonl", [
+        {"prompt_token_ids": a}, {"prompt_token_ids": b}, {"prompt_token_ids": b},  # line 3: a duplicate
+        {"messages": MESSAGES}, {"oops": 1},
+    ])
+    cfg = load_config(REPO / "configs/prefill.yaml")
+    ns = key_namespace(renderer.info, cfg)
+    # Pretend an earlier warm-up stored b: its chunk exists, so b is skipped (resumable).
+    client = StoreClient.from_state(store, timeout_s=2.0)
+    try:
+        assert client.batch_put(object_names(ns, b), [b"x"]) == [0]
+    finally:
+        client.close()
+    out_json = tmp_path / "summary.json"
+    rc = main_warmup(["--model", renderer.info.model, "--config", str(REPO / "configs/prefill.yaml"),
+                      "--dtype", "float32", "--input", str(f), "--dry-run", "--no-progress",
+                      "--set", f"mooncake.store_dir={store}", "--summary-json", str(out_json)])
+    assert rc == 0
+    out = capsys.readouterr()
+    chat_tokens = renderer.chat(MESSAGES)
+    tokens = len(a) + len(chat_tokens)
+    chunks = 3 + -(-len(chat_tokens) // 256)
+    assert "dry run: nothing was started" in out.out
+    assert "inputs: 4 read, 2 to write, 1 already in the store, 1 duplicates, 1 bad" in out.out
+    assert f"would compute {tokens} prompt tokens and write {chunks} chunks" in out.out
+    assert f"{out_json.parent}" not in out.out  # no work folder kept: nothing ran
+    assert f"{f}:5: unknown field" not in out.err and f"{f}:5: none of the fields" in out.err
+    s = json.loads(out_json.read_text())
+    assert s["dry_run"] and s["inputs_to_write"] == 2 and s["inputs_skipped"] == 1 and s["inputs_bad"] == 1
+    assert s["chunks_to_write"] == chunks and s["chunks_present_before"] == 1
+    assert s["chunks_written"] == 0 and s["work_dir"] is None
+    # float32, 4 layers, 2 KV heads of 64: 256 tokens are 1 MiB of KV.
+    assert s["bytes_estimate"] >= (2 * 4 * 128 * 4) * (len(a) + len(chat_tokens))
+    assert [i["status"] for i in s["inputs"]] == ["would_write", "skipped", "duplicate", "would_write"]
+
+
+def test_chat_rendering_equals_vllm_server_rendering(renderer):
+    """The token ids warm-up stores for ``messages`` are those vLLM's OpenAI server makes for
+    /v1/chat/completions: compared with the renderer vLLM's own server start-up builds, and with
+    the chat template applied by vLLM's template function."""
+    from starlette.datastructures import State
+    from vllm import AsyncEngineArgs
+    from vllm.config import VllmConfig
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.entrypoints.launchers.render.app_state import init_render_app_state
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.renderers.hf import safe_apply_chat_template
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    model = renderer.info.model
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", model, "--dtype", "float32"])
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    model_config = engine_args.create_model_config()
+    vllm_config = VllmConfig(model_config=model_config, logging_config=engine_args.create_logging_config(),
+                             structured_outputs_config=engine_args.create_structured_outputs_config())
+    state = State()
+    conversations = [MESSAGES[:2], MESSAGES, [{"role": "user", "content": "only a user turn"}],
+                     [{"role": "system", "content": SYSTEM},
+                      {"role": "user", "content": [{"type": "text", "text": "content as parts"}]}]]
+
+    async def server_render():
+        await init_render_app_state(vllm_config, state, args)
+        out = []
+        for messages in conversations:
+            _, (engine_input,) = await state.online_renderer.render_chat(
+                ChatCompletionRequest(model=model, messages=messages))
+            out.append(engine_input["prompt_token_ids"])
+        (text_input,) = await state.online_renderer.render_completion(
+            CompletionRequest(model=model, prompt="a text prompt"))
+        return out, text_input["prompt_token_ids"]
+
+    server_chats, server_text = asyncio.run(server_render())
+    tokenizer = state.online_renderer.renderer.get_tokenizer()
+    for messages, server in zip(conversations, server_chats, strict=True):
+        ours = renderer.chat(messages)
+        assert ours == server
+        if isinstance(messages[-1]["content"], str):
+            text = safe_apply_chat_template(model_config, tokenizer, messages, add_generation_prompt=True,
+                                            tokenize=False)
+            assert ours == tokenizer.encode(text, add_special_tokens=False)
+    assert renderer.text("a text prompt") == server_text
+
+
+def test_namespace_and_object_names(renderer):
+    cfg = load_config(REPO / "configs/prefill.yaml")
+    ns = key_namespace(renderer.info, cfg)
+    # What the tiny model's worker builds from its KV cache: float32, 4 layers, 2 KV heads of 64.
+    assert ns == KeyNamespace(model=renderer.info.model, kv_dtype="float32", num_layers=4, num_kv_heads=2,
+                              head_size=64, chunk_size=256)
+    tokens = list(range(16, 16 + 600))
+    want = [f"lmcm/{ns.hex()}/{k.as_int:016x}-r0of1-float32" for k in chunk_keys(ns, tokens, "s")]
+    assert object_names(ns, tokens, "s") == want and len(want) == 3
+    assert len(object_names(ns, tokens, "s", include_partial=False)) == 2
+    assert key_namespace(renderer.info, cfg, model_id="my-model").model == "my-model"
+
+
+def test_refusals(tmp_path, renderer, capsys):
+    with pytest.raises(WarmupError, match="kv-cache-dtype"):
+        get_renderer(renderer.info.model, "float32", server_args=["--kv-cache-dtype=fp8"])
+    f = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    rc = main_warmup(["--model", renderer.info.model, "--config", str(REPO / "configs/local.yaml"),
+                      "--input", str(f), "--dtype", "float32"])
+    assert rc == 2 and "no 'mooncake:' section" in capsys.readouterr().err
+
+
+def test_help_explains_inputs_and_gives_an_example(capsys):
+    with pytest.raises(SystemExit) as e:
+        main_warmup(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for word in ("prompt_token_ids", "messages", "cache_salt", ".txt", "--dry-run", "--strict", "--summary-json",
+                 "--batch-size", "path:line", "example:", "lmcache-mooncake warmup --model", "exit codes"):
+        assert word in out, word
