@@ -30,6 +30,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -110,9 +111,11 @@ def main() -> int:
                    work_dir=work / "warmup", progress=False)
         if not s.ok or s.inputs_done != args.inputs:
             print(s.format(), file=sys.stderr)
+            print(f"logs kept in {work}", file=sys.stderr)
             return 1
     finally:
         stop_store(store_dir)
+    shutil.rmtree(work, ignore_errors=True)
     warm = {"prompt_tokens": s.prompt_tokens, "time_s": s.warm_s, "tokens_per_s": s.prompt_tokens_per_s,
             "startup_s": s.startup_s, "elapsed_s": s.elapsed_s, "chunks_written": s.chunks_written,
             "bytes_written": s.bytes_written}

@@ -14,6 +14,7 @@ store. The token-id lines of the example file only make sense for the
 generated models' 2048-token vocabulary.
 """
 
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -48,6 +49,7 @@ def main() -> None:
         assert again.inputs_to_write == 0 and again.chunks_to_write == 0
     finally:
         stop_store(store_dir)
+        shutil.rmtree(store_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":  # vLLM and LMCache start worker processes with "spawn"

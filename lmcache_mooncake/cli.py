@@ -161,6 +161,12 @@ def _proxy(argv: list[str]) -> int:
     return main_proxy(argv)
 
 
+def _warmup(argv: list[str]) -> int:
+    from lmcache_mooncake.warmup import main_warmup
+
+    return main_warmup(argv)
+
+
 def _demo(argv: list[str]) -> int:
     from lmcache_mooncake.demo import main_demo
 
@@ -172,6 +178,7 @@ COMMANDS = {
     "check-config": (_check_config, "validate a configuration file and print it resolved"),
     "up": (_up, "the whole local stack: store, prefill and decode vLLM, proxy (--demo: show it working)"),
     "proxy": (_proxy, "OpenAI-compatible router: prompt to a prefill instance, then to a decode instance"),
+    "warmup": (_warmup, "compute known prompts once and store their KV chunks in the shared store (resumable)"),
     "serve": (_serve, "start vLLM's OpenAI server as a prefill, decode or both instance with the connector"),
     "make-model": (_make_model, "build a deterministic test model folder (no hub needed)"),
     "demo": (_demo, "run one vLLM instance twice on a generated model and show the cache hits"),

@@ -461,11 +461,13 @@ def _describe_render_error(e: Exception, info: ModelInfo) -> str:
 
 
 class _Reader:
-    def __init__(self, renderer: PromptRenderer, strict: bool, on_problem: Callable[[InputProblem], None] | None):
+    def __init__(self, renderer: PromptRenderer, strict: bool, on_problem: Callable[[InputProblem], None] | None,
+                 on_input: Callable[[], None] | None = None):
         self.renderer = renderer
         self.info = renderer.info
         self.strict = strict
         self.on_problem = on_problem
+        self.on_input = on_input
         self.inputs: list[WarmupInput] = []
         self.problems: list[InputProblem] = []
 
@@ -485,6 +487,8 @@ class _Reader:
             self.problem(source, line, _too_long(f"{len(tokens)} tokens", self.info))
             return
         self.inputs.append(WarmupInput(source, line, kind, tokens, salt, None if ident is None else str(ident)))
+        if self.on_input is not None:
+            self.on_input()
 
     # -- one item ----------------------------------------------------------
     def item(self, source: str, line: int, obj: Any) -> None:
@@ -624,6 +628,7 @@ def read_inputs(
     *,
     strict: bool = False,
     on_problem: Callable[[InputProblem], None] | None = None,
+    on_input: Callable[[], None] | None = None,
 ) -> tuple[list[WarmupInput], list[InputProblem]]:
     """Read and render every input; return the good ones and the problems.
 
@@ -632,9 +637,10 @@ def read_inputs(
     ``cache_salt`` and ``id``), ``.txt`` files (one document each) or folders
     of them; or dictionaries shaped like a JSONL line (reported as
     ``<inputs>:N``, N counting from 1). With ``strict`` the first problem
-    raises :class:`BadInputError`.
+    raises :class:`BadInputError`; else ``on_problem`` is called with each
+    problem, and ``on_input`` after each good input.
     """
-    reader = _Reader(renderer, strict, on_problem)
+    reader = _Reader(renderer, strict, on_problem, on_input)
     for i, item in enumerate(inputs):
         if isinstance(item, Mapping):
             reader.item("<inputs>", i + 1, dict(item))
@@ -817,12 +823,20 @@ def warmup(
         if progress:
             _write(msg)
 
+    if on_problem is None:
+        def on_problem(p: InputProblem) -> None:
+            note(f"warning: {p}")
+
+    from tqdm import tqdm
+
     renderer = get_renderer(model, dtype, max_model_len, chat_template, server_args)
     info = renderer.info
     ns = key_namespace(info, cfg)
     summary = WarmupSummary(model=model, model_id=ns.model, namespace=ns.hex(), kv_dtype=ns.kv_dtype,
                             chunk_size=ns.chunk_size, dry_run=dry_run)
-    good, problems = read_inputs(inputs, renderer, strict=strict, on_problem=on_problem)
+    with tqdm(desc="reading inputs", unit="input", file=sys.stderr, disable=not progress, leave=False) as bar:
+        good, problems = read_inputs(inputs, renderer, strict=strict, on_problem=on_problem,
+                                     on_input=bar.update)
     summary.problems, summary.inputs_bad, summary.inputs_total, summary.inputs = problems, len(problems), len(good), good
 
     # -- what is in the store already --------------------------------------
@@ -854,6 +868,9 @@ def warmup(
             client = None
         try:
             present = _exists(client, all_names) if client is not None else dict.fromkeys(all_names, False)
+            if client is not None and not client.healthy:
+                raise WarmupError(f"the Mooncake store did not answer ({client.stats()['last_error']}); "
+                                  "check it with 'lmcache-mooncake store status'")
             summary.chunks_present_before = sum(present.values())
             missing = [n for n in all_names if not present[n]]
             summary.chunks_to_write = len(missing)
@@ -1044,10 +1061,12 @@ example:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lmcache-mooncake warmup",
-        description="Pre-compute the KV cache of known prompts (system prompts, documents, few-shot "
-        "examples, chat conversations) and store their chunks in the shared Mooncake Store, so that "
-        "serving instances load them instead of computing them. Runs one vLLM instance as a producer "
-        "(kv_producer, max_tokens=1) in a child process and returns when every chunk is in the store.",
+        description="Pre-compute the KV cache of known prompts (system prompts, documents, few-shot\n"
+        "examples, chat conversations) and store their chunks in the shared Mooncake Store, so that\n"
+        "serving instances load them instead of computing them. Inputs are read and tokenized here\n"
+        "exactly as vLLM's OpenAI server would; inputs already in the store are skipped; the rest go\n"
+        "to one vLLM producer (kv_producer, max_tokens=1) in a child process. Returns when every\n"
+        "chunk is verified in the store.",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -1112,7 +1131,7 @@ def main_warmup(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     progress = not args.no_progress
 
-    def on_problem(p: InputProblem) -> None:
+    def on_problem(p: InputProblem) -> None:  # printed even with --no-progress
         _write(f"warning: {p}")
 
     try:

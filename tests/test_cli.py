@@ -15,7 +15,8 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 def test_help_lists_commands_and_the_kv_transfer_config():
     out = cli("--help")
     assert out.returncode == 0
-    for word in ("check-config", "make-model", "demo", "LMCacheMooncakeConnector"):
+    for word in ("check-config", "make-model", "demo", "store", "serve", "proxy", "up", "warmup",
+                 "LMCacheMooncakeConnector"):
         assert word in out.stdout
 
 
