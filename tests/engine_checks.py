@@ -1,0 +1,95 @@
+"""LMCache's engine with our copier, keys and disk tier, without vLLM.
+
+Run by tests/test_engine.py, each check in a fresh process: LMCache's engine
+keeps process-wide state (threads, event loops, builder registries) that other
+in-process tests (vLLM's renderer, the store client) disturb, and that has
+crashed a long pytest process at exit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from lmcache_mooncake import engine, layouts
+from lmcache_mooncake.config import CacheConfig
+from lmcache_mooncake.keys import KeyNamespace
+
+L, H, D, N, B = 2, 2, 64, 16, 96
+NS = KeyNamespace("m", "float32", L, H, D, 256)
+_ids = itertools.count()
+
+
+def make_engine(disk, cpu_gib=0.05):
+    cfg = CacheConfig(max_local_cpu_size=cpu_gib, local_disk=str(disk))
+    layout = layouts.layout_for_backend("CPU_ATTN")
+    name = f"test-{next(_ids)}"
+    return engine.build_engine(cfg, NS, layout, torch.float32, name), name
+
+
+def make_kv():
+    torch.manual_seed(0)
+    return [torch.randn(B, H, N, 2 * D) for _ in range(L)]
+
+
+def check_store_then_fresh_engine_loads_bit_exact(tmp_path, kv):
+    tokens = torch.arange(600) + 100
+    slots = torch.randperm(B * N)[:600]
+    rc = engine.request_configs("salt", None)
+    writer, wname = make_engine(tmp_path)
+    try:
+        writer.store(tokens, mask=None, kvcaches=kv, slot_mapping=slots, request_configs=rc)
+        assert engine.drain(writer, 10)
+        cpu = writer.storage_manager.storage_backends["LocalCPUBackend"]
+        # Nothing but the CPU tier itself holds the chunks once writes are done.
+        assert [m.get_ref_count() for m in cpu.hot_cache.values()] == [1, 1, 1]
+    finally:
+        engine.close_engine(writer, wname)
+
+    reader, rname = make_engine(tmp_path)
+    try:
+        assert reader.lookup(tokens=tokens, request_configs=rc) == 600
+        assert reader.lookup(tokens=tokens, request_configs=engine.request_configs("other", None)) == 0
+        out = [torch.zeros_like(t) for t in kv]
+        ret = reader.retrieve(tokens, mask=None, kvcaches=out, slot_mapping=slots, request_configs=rc)
+        assert bool(ret.all())
+        chunk_in = torch.empty(2, L, 600, H * D)
+        chunk_out = torch.empty(2, L, 600, H * D)
+        layouts.gather_chunk(reader.gpu_connector.layout, kv, slots, chunk_in)
+        layouts.gather_chunk(reader.gpu_connector.layout, out, slots, chunk_out)
+        assert torch.equal(chunk_in, chunk_out)
+    finally:
+        engine.close_engine(reader, rname)
+
+
+def check_damaged_file_stops_the_lookup_prefix(tmp_path, kv):
+    tokens = torch.arange(600)
+    slots = torch.arange(600)
+    rc = engine.request_configs(None, None)
+    writer, wname = make_engine(tmp_path)
+    writer.store(tokens, mask=None, kvcaches=kv, slot_mapping=slots, request_configs=rc)
+    assert engine.drain(writer, 30)
+    engine.close_engine(writer, wname)
+    files = sorted(tmp_path.glob("*/*.lmcm"), key=lambda p: p.stat().st_size)
+    assert len(files) == 3
+    files[0].write_bytes(files[0].read_bytes()[:-10])  # the short tail chunk, truncated
+
+    reader, rname = make_engine(tmp_path)
+    try:
+        assert reader.lookup(tokens=tokens, request_configs=rc) == 512
+        assert not files[0].exists()
+    finally:
+        engine.close_engine(reader, rname)
+
+
+CHECKS = {
+    "store_then_fresh_engine_loads_bit_exact": check_store_then_fresh_engine_loads_bit_exact,
+    "damaged_file_stops_the_lookup_prefix": check_damaged_file_stops_the_lookup_prefix,
+}
+
+if __name__ == "__main__":
+    CHECKS[sys.argv[1]](Path(tempfile.mkdtemp(prefix="lmcm-engine-")), make_kv())
