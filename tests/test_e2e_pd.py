@@ -16,6 +16,7 @@ import httpx
 import openai
 import psutil
 import pytest
+from servers import Server
 
 from lmcache_mooncake.models import ModelSpec, build_model
 from lmcache_mooncake.offline import vllm_env
@@ -25,32 +26,6 @@ from lmcache_mooncake.store.launcher import StoreSpec, free_port, start_store, s
 
 pytestmark = pytest.mark.e2e
 VLLM_ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "4096", "--enable-prompt-tokens-details"]
-
-
-class Server:
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str], port: int, log: Path):
-        self.name, self.cmd, self.env, self.port, self.log = name, cmd, env, port, log
-        self.url = f"http://127.0.0.1:{port}"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout_s: float = 420) -> Server:
-        with open(self.log, "a") as f:
-            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=f, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            assert self.proc.poll() is None, f"{self.name} exited; see {self.log}"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            assert time.monotonic() < deadline, f"{self.name} not ready; see {self.log}"
-            time.sleep(0.5)
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -92,12 +67,14 @@ def servers(model, work, store):
     try:
         out = {name: make(name, role).start() for name, role in
                (("baseline", None), ("prefill", "prefill"), ("decode", "decode"))}
+        for srv in out.values():
+            srv.wait_ready()
         proxy_port = free_port()
         proxy = Server("proxy", [sys.executable, "-m", "lmcache_mooncake.cli", "proxy", "--port", str(proxy_port),
                                  "--prefill", out["prefill"].url, "--decode", out["decode"].url],
                        dict(os.environ), proxy_port, work / "proxy.log")
         started.append(proxy)
-        out["proxy"] = proxy.start(60)
+        out["proxy"] = proxy.start().wait_ready(60)
         yield out
     finally:
         for srv in reversed(started):
@@ -186,7 +163,7 @@ def test_decode_killed_mid_stream_gives_an_error_then_recovers(servers, model):
         proxy.completions.create(model=str(model), prompt=[22] + prompts()[1], max_tokens=4)
     assert time.monotonic() - t0 < 30
 
-    decode.start()
+    decode.start().wait_ready()
     text, _ = completion(proxy, model, [23] + prompts()[1], stream=False)
     want, _ = completion(client(servers["baseline"].url), model, [23] + prompts()[1], stream=False)
     assert text == want

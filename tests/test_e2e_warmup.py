@@ -7,17 +7,14 @@ for the reference outputs), so their start-ups overlap.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import random
-import signal
-import subprocess
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+from servers import Server
 
 from lmcache_mooncake.keys import KeyNamespace, chunk_keys
 from lmcache_mooncake.models import ModelSpec, build_model
@@ -25,7 +22,7 @@ from lmcache_mooncake.offline import Instance, RunSpec, vllm_env
 from lmcache_mooncake.serve import vllm_command
 from lmcache_mooncake.stats import read_stats
 from lmcache_mooncake.store.client import StoreClient
-from lmcache_mooncake.store.launcher import StoreSpec, start_store, stop_store
+from lmcache_mooncake.store.launcher import StoreSpec, free_port, start_store, stop_store
 from lmcache_mooncake.warmup import main_warmup, warmup
 
 pytestmark = pytest.mark.e2e
@@ -61,45 +58,6 @@ INPUTS = [
 DOC = "A document given as a .txt file. " + words(9, 350)
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A vLLM OpenAI server process (as in test_e2e_pd.py), started and waited for separately."""
-
-    def __init__(self, cmd: list[str], env: dict[str, str], port: int, log: Path):
-        self.cmd, self.env, self.log = cmd, env, log
-        self.url = f"http://127.0.0.1:{port}"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> Server:
-        with open(self.log, "a") as f:
-            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=f, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-        return self
-
-    def wait_ready(self, timeout_s: float = 420) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            assert self.proc is not None and self.proc.poll() is None, f"server exited; see {self.log}"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            assert time.monotonic() < deadline, f"server not ready; see {self.log}"
-            time.sleep(0.5)
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-
 @pytest.fixture(scope="module")
 def model() -> Path:
     return build_model(ModelSpec(arch="llama", size="tiny", seed=0))
@@ -133,6 +91,7 @@ def warmed(model, work, store, input_files):
     """Warm up the inputs while the decode server and the reference vLLM start."""
     port = free_port()
     decode = Server(
+        "decode",
         vllm_command("decode", str(model), "127.0.0.1", port, None,
                      ["--enforce-eager", "--dtype", "float32", "--enable-prompt-tokens-details"],
                      overrides={"run_dir": str(work / "decode-run"), "mooncake": {"store_dir": str(store)}}),
