@@ -13,12 +13,20 @@ dtype, layer count, KV heads, head size, chunk size, parallel layout).
 
 Only ``hashlib`` and fixed byte encodings are used: every process on every
 host derives the same keys, with no ``PYTHONHASHSEED``.
+
+This module is also the one place that *names* chunks: :func:`namespace_for`
+builds the namespace (the worker from its KV tensors, warm-up from the model's
+config), and :func:`chunk_name` / :func:`object_name` / :func:`file_name` turn
+a namespace and a chunk key into the store object name and the disk file
+name. Names carry the full 256-bit namespace digest and the full 256-bit key,
+never a truncation, so two different prefixes are never one object.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import struct
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -49,8 +57,8 @@ class KeyNamespace:
         return hashlib.sha256(FORMAT_TAG + b"\0" + blob.encode()).digest()
 
     def hex(self) -> str:
-        """A short stable name for this namespace (first 16 hex digits of the digest)."""
-        return self.digest().hex()[:16]
+        """The namespace's name in file and object names: its full digest, 64 hex digits."""
+        return self.digest().hex()
 
 
 @dataclass(frozen=True)
@@ -67,8 +75,8 @@ class ChunkKey:
 
     @property
     def as_int(self) -> int:
-        """First 8 bytes as an unsigned int: LMCache's ``chunk_hash`` field."""
-        return int.from_bytes(self.digest[:8], "big")
+        """The whole 256-bit digest as an unsigned int: LMCache's ``chunk_hash`` field."""
+        return int.from_bytes(self.digest, "big")
 
 
 def root_digest(namespace: KeyNamespace, cache_salt: str | None = None, lora: str | None = None) -> bytes:
@@ -118,3 +126,95 @@ def chunk_keys(
         parent = h.digest()
         keys.append(ChunkKey(parent, start, end))
     return keys
+
+
+# -- names -------------------------------------------------------------------
+
+#: Prefix of every store object name of ours.
+OBJECT_PREFIX = "lmcm/"
+#: Suffix of every disk-tier chunk file.
+FILE_SUFFIX = ".lmcm"
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def model_identity(configured: str | None, served_model_name: str) -> str:
+    """The model id that enters the namespace: ``model_id`` from the config, else vLLM's served name."""
+    return configured or served_model_name
+
+
+def namespace_for(
+    model_id: str,
+    kv_dtype: str,
+    num_layers: int,
+    num_kv_heads: int,
+    head_size: int,
+    chunk_size: int,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+) -> KeyNamespace:
+    """The namespace of one worker's chunks. The worker (from its KV tensors) and
+    warm-up (from the model config) both call this, so they cannot drift apart.
+
+    ``kv_dtype`` is torch's name without ``torch.`` (``"float32"``); raises
+    ``ValueError`` for impossible values.
+    """
+    kv_dtype = str(kv_dtype).removeprefix("torch.")
+    if not kv_dtype.isalnum():
+        raise ValueError(f"kv dtype {kv_dtype!r} is not a torch dtype name such as 'float32'")
+    for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
+                        ("head_size", head_size), ("chunk_size", chunk_size), ("tp_size", tp_size)):
+        if int(value) <= 0:
+            raise ValueError(f"{name}={value} must be positive")
+    if not 0 <= int(tp_rank) < int(tp_size):
+        raise ValueError(f"tp_rank={tp_rank} is not in [0, tp_size={tp_size})")
+    return KeyNamespace(
+        model=str(model_id), kv_dtype=kv_dtype, num_layers=int(num_layers), num_kv_heads=int(num_kv_heads),
+        head_size=int(head_size), chunk_size=int(chunk_size), tp_size=int(tp_size), tp_rank=int(tp_rank),
+    )
+
+
+def chunk_name(namespace: KeyNamespace | str, key: ChunkKey | bytes | int) -> str:
+    """``<namespace digest>/<chunk key>``, both as 64 hex digits: the one name of a chunk.
+
+    ``namespace``: a :class:`KeyNamespace` or its :meth:`~KeyNamespace.hex`;
+    ``key``: a :class:`ChunkKey`, its 32-byte digest, or :attr:`ChunkKey.as_int`.
+    Every part is validated, so a key never becomes an unchecked path: raises
+    ``ValueError`` for anything that is not a namespace digest and a key.
+    """
+    ns = namespace.hex() if isinstance(namespace, KeyNamespace) else str(namespace)
+    if not _HEX64.match(ns):
+        raise ValueError(f"namespace {ns!r} is not a 64-hex-digit namespace digest")
+    if isinstance(key, ChunkKey):
+        digest = key.digest
+    elif isinstance(key, int) and not isinstance(key, bool):
+        if not 0 <= key < 2**256:
+            raise ValueError("chunk key out of range")
+        digest = key.to_bytes(32, "big")
+    else:
+        digest = bytes(key)
+    if len(digest) != 32:
+        raise ValueError(f"chunk key has {len(digest)} bytes, expected 32")
+    return f"{ns}/{digest.hex()}"
+
+
+def object_name(namespace: KeyNamespace | str, key: ChunkKey | bytes | int) -> str:
+    """The chunk's Mooncake Store object name: ``lmcm/<namespace>/<key>``."""
+    return OBJECT_PREFIX + chunk_name(namespace, key)
+
+
+def file_name(namespace: KeyNamespace | str, key: ChunkKey | bytes | int) -> str:
+    """The chunk's disk-tier path relative to the tier's folder: ``<namespace>/<key>.lmcm``."""
+    return chunk_name(namespace, key) + FILE_SUFFIX
+
+
+def object_names(
+    namespace: KeyNamespace,
+    tokens: Sequence[int],
+    cache_salt: str | None = None,
+    lora: str | None = None,
+    *,
+    include_partial: bool = True,
+) -> list[str]:
+    """Store object names of every chunk of ``tokens``, in order."""
+    return [object_name(namespace, k)
+            for k in chunk_keys(namespace, tokens, cache_salt, lora, include_partial=include_partial)]

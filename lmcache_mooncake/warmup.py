@@ -661,34 +661,20 @@ def key_namespace(info: ModelInfo, cfg: CacheConfig, model_id: str | None = None
     and head size, with the model id of ``model_id`` / ``cfg.model_id`` / vLLM's
     served model name.
     """
-    from lmcache_mooncake.keys import KeyNamespace
+    from lmcache_mooncake.keys import model_identity, namespace_for
 
-    return KeyNamespace(
-        model=model_id or cfg.model_id or info.served_model_name,
-        kv_dtype=info.dtype,
-        num_layers=info.num_layers,
-        num_kv_heads=info.num_kv_heads,
-        head_size=info.head_size,
-        chunk_size=cfg.chunk_size,
-        tp_size=1,
-        tp_rank=0,
+    return namespace_for(
+        model_identity(model_id or cfg.model_id, info.served_model_name),
+        info.dtype, info.num_layers, info.num_kv_heads, info.head_size, cfg.chunk_size,
     )
 
 
 def object_names(namespace: KeyNamespace, tokens: Sequence[int], cache_salt: str | None = None,
                  include_partial: bool = True) -> list[str]:
     """Store object names of the chunks of ``tokens``, as the Mooncake tier names them."""
-    import torch
-    from lmcache.utils import CacheEngineKey
+    from lmcache_mooncake import keys
 
-    from lmcache_mooncake.keys import chunk_keys
-    from lmcache_mooncake.tiers.mooncake import object_name
-
-    dtype = getattr(torch, namespace.kv_dtype)
-    return [
-        object_name(CacheEngineKey(namespace.hex(), namespace.tp_size, namespace.tp_rank, k.as_int, dtype, None))
-        for k in chunk_keys(namespace, tokens, cache_salt, None, include_partial=include_partial)
-    ]
+    return keys.object_names(namespace, tokens, cache_salt, include_partial=include_partial)
 
 
 def _chunk_bytes(info: ModelInfo, tokens: int) -> int:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from lmcache_mooncake import keys
 from lmcache_mooncake.keys import KeyNamespace, chunk_keys
 from lmcache_mooncake.models import ModelSpec, build_model
 from lmcache_mooncake.offline import Instance, RunSpec, run_instance
@@ -72,7 +73,7 @@ def namespace(model: Path) -> KeyNamespace:
 
 def object_names(model: Path, prompts: list[list[int]]) -> list[str]:
     ns = namespace(model)
-    return [f"lmcm/{ns.hex()}/{k.as_int:016x}-r0of1-float32" for p in prompts for k in chunk_keys(ns, p)]
+    return [name for p in prompts for name in keys.object_names(ns, p)]
 
 
 def wait_in_store(store_dir: Path, names: list[str], timeout_s: float = 60.0) -> None:

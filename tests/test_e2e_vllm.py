@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from lmcache_mooncake import keys
 from lmcache_mooncake.chunk_format import decode
 from lmcache_mooncake.keys import KeyNamespace, chunk_keys
 from lmcache_mooncake.models import ModelSpec, build_model
@@ -169,7 +170,7 @@ def test_damaged_chunk_is_a_miss_and_output_stays_right(model, work, disk, basel
                       head_size=64, chunk_size=CHUNK)
     assert ns_dir.name == ns.hex(), "chunk folder is named by the key namespace"
     second = chunk_keys(ns, P["exact"])[1]
-    (victim,) = ns_dir.glob(f"{second.as_int:016x}-*.lmcm")
+    victim = damaged / keys.file_name(ns, second)
     data = bytearray(victim.read_bytes())
     for i in range(len(data) // 2, len(data) // 2 + 64):
         data[i] ^= 0x5A

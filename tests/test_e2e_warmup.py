@@ -16,6 +16,7 @@ import httpx
 import pytest
 from servers import Server
 
+from lmcache_mooncake import keys
 from lmcache_mooncake.keys import KeyNamespace, chunk_keys
 from lmcache_mooncake.models import ModelSpec, build_model
 from lmcache_mooncake.offline import Instance, RunSpec, vllm_env
@@ -121,7 +122,7 @@ def expected_names(model: Path, summary) -> list[str]:
                       chunk_size=CHUNK)
     names = []
     for i in summary.inputs:
-        names += [f"lmcm/{ns.hex()}/{k.as_int:016x}-r0of1-float32" for k in chunk_keys(ns, i.token_ids, i.cache_salt)]
+        names += keys.object_names(ns, i.token_ids, i.cache_salt)
     return list(dict.fromkeys(names))
 
 

@@ -240,7 +240,7 @@ def test_namespace_and_object_names(renderer):
     assert ns == KeyNamespace(model=renderer.info.model, kv_dtype="float32", num_layers=4, num_kv_heads=2,
                               head_size=64, chunk_size=256)
     tokens = list(range(16, 16 + 600))
-    want = [f"lmcm/{ns.hex()}/{k.as_int:016x}-r0of1-float32" for k in chunk_keys(ns, tokens, "s")]
+    want = [f"lmcm/{ns.hex()}/{k.hex}" for k in chunk_keys(ns, tokens, "s")]
     assert object_names(ns, tokens, "s") == want and len(want) == 3
     assert len(object_names(ns, tokens, "s", include_partial=False)) == 2
     assert key_namespace(renderer.info, cfg, model_id="my-model").model == "my-model"

@@ -35,6 +35,7 @@ from lmcache_mooncake.connector.lookup import LookupClient
 from lmcache_mooncake.connector.metadata import StepMetadata
 from lmcache_mooncake.connector.scheduler import SchedulerSide
 from lmcache_mooncake.connector.worker import WorkerSide
+from lmcache_mooncake.keys import model_identity
 from lmcache_mooncake.logs import setup_logging
 
 if TYPE_CHECKING:
@@ -52,12 +53,10 @@ __all__ = ["LMCacheMooncakeConnector"]
 
 
 def _model_id(vllm_config: VllmConfig, configured: str | None) -> str:
-    if configured:
-        return configured
     name = vllm_config.model_config.served_model_name
     if isinstance(name, (list, tuple)):
         name = name[0]
-    return str(name or vllm_config.model_config.model)
+    return model_identity(configured, str(name or vllm_config.model_config.model))
 
 
 def _backend_name(vllm_config: VllmConfig) -> str:

@@ -19,7 +19,7 @@ from lmcache_mooncake.config import CacheConfig
 from lmcache_mooncake.connector.lookup import LookupServer
 from lmcache_mooncake.connector.metadata import LoadOp, SaveOp, StepMetadata
 from lmcache_mooncake.engine import build_engine, close_engine, request_configs
-from lmcache_mooncake.keys import KeyNamespace
+from lmcache_mooncake.keys import KeyNamespace, namespace_for
 from lmcache_mooncake.stats import STATS
 from lmcache_mooncake.tiers import WRITES
 
@@ -67,15 +67,9 @@ class WorkerSide:
         first = self.kv_caches[0]
         _, num_heads, block_size, head_size = self.layout.kv_shape(first, self.block_size)
         dtype = str(first.dtype).removeprefix("torch.")
-        self.namespace = KeyNamespace(
-            model=self.model_id,
-            kv_dtype=dtype,
-            num_layers=len(self.kv_caches),
-            num_kv_heads=num_heads,
-            head_size=head_size,
-            chunk_size=self.cfg.chunk_size,
-            tp_size=self.tp_size,
-            tp_rank=self.tp_rank,
+        self.namespace = namespace_for(
+            self.model_id, dtype, len(self.kv_caches), num_heads, head_size, self.cfg.chunk_size,
+            tp_size=self.tp_size, tp_rank=self.tp_rank,
         )
         self.engine = build_engine(self.cfg, self.namespace, self.layout, first.dtype, self.instance_id)
         if self.tp_rank == 0:

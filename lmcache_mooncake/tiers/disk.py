@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -30,15 +29,14 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-from lmcache_mooncake import chunk_format
+from lmcache_mooncake import chunk_format, keys
 from lmcache_mooncake.stats import STATS
 from lmcache_mooncake.tiers import WRITES
 
 logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "lmcm_disk"
-SUFFIX = ".lmcm"
-_HEX = re.compile(r"^[0-9a-f]{16}$")
+SUFFIX = keys.FILE_SUFFIX
 
 
 def plugin_extra_config(path: Path, max_bytes: int, verify_on_lookup: bool) -> dict[str, Any]:
@@ -57,21 +55,8 @@ def plugin_extra_config(path: Path, max_bytes: int, verify_on_lookup: bool) -> d
 
 
 def chunk_file_name(key: CacheEngineKey) -> str:
-    """File name for ``key``; raises ValueError for a key that is not ours.
-
-    Keys never become unchecked paths: every part is validated here.
-    """
-    ns = key.model_name
-    if not _HEX.match(ns):
-        raise ValueError(f"namespace {ns!r} of key is not 16 hex digits")
-    if not (0 <= key.chunk_hash < 2**64):
-        raise ValueError("chunk hash out of range")
-    dtype = str(key.dtype).removeprefix("torch.")
-    if not dtype.isalnum():
-        raise ValueError(f"bad dtype {dtype!r}")
-    return (
-        f"{ns}/{key.chunk_hash:016x}-r{int(key.worker_id)}of{int(key.world_size)}-{dtype}{SUFFIX}"
-    )
+    """File name for LMCache's ``key`` (:func:`keys.file_name`); ValueError for a key that is not ours."""
+    return keys.file_name(key.model_name, key.chunk_hash)
 
 
 class DiskTierConnector(RemoteConnector):

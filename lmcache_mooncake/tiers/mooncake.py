@@ -8,8 +8,8 @@ call, so a slow or dead store is a miss within ``mooncake.timeout``, never a
 hang. Objects are verified chunks (:mod:`chunk_format`): bytes from the store
 that fail their check are a miss, counted and logged.
 
-Object names are ``lmcm/<namespace>/<chunk hash>-r<rank>of<world>-<dtype>``,
-built from validated key fields only.
+Object names come from :func:`lmcache_mooncake.keys.object_name` (full-width
+namespace digest and chunk key), built from validated key fields only.
 """
 
 from __future__ import annotations
@@ -24,11 +24,10 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-from lmcache_mooncake import chunk_format
+from lmcache_mooncake import chunk_format, keys
 from lmcache_mooncake.stats import STATS
 from lmcache_mooncake.store.client import NOT_FOUND, StoreClient, describe
 from lmcache_mooncake.tiers import WRITES
-from lmcache_mooncake.tiers.disk import chunk_file_name
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +63,8 @@ def plugin_extra_config(addresses: dict[str, str], mc: Any) -> dict[str, Any]:
 
 
 def object_name(key: CacheEngineKey) -> str:
-    return "lmcm/" + chunk_file_name(key).removesuffix(".lmcm")
+    """Object name for LMCache's ``key`` (:func:`keys.object_name`); ValueError for a key that is not ours."""
+    return keys.object_name(key.model_name, key.chunk_hash)
 
 
 class MooncakeTierConnector(RemoteConnector):
