@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from lmcache_mooncake import keys
-from lmcache_mooncake.keys import KeyNamespace, chunk_keys
+from lmcache_mooncake.keys import KeyNamespace
 from lmcache_mooncake.models import ModelSpec, build_model
 from lmcache_mooncake.offline import Instance, RunSpec, run_instance
 from lmcache_mooncake.stats import read_stats

@@ -17,7 +17,7 @@ import pytest
 from servers import Server
 
 from lmcache_mooncake import keys
-from lmcache_mooncake.keys import KeyNamespace, chunk_keys
+from lmcache_mooncake.keys import KeyNamespace
 from lmcache_mooncake.models import ModelSpec, build_model
 from lmcache_mooncake.offline import Instance, RunSpec, vllm_env
 from lmcache_mooncake.serve import vllm_command
