@@ -535,9 +535,20 @@ def gather_chunk(
     first = kv_caches[0]
     slots = _check_slots(slots, _num_slots(layout, first), first.device)
     _check_buffer("out", out, shape.chunk_shape(slots.numel()), first)
-    for layer, kv, plan in _plans(layout, kv_caches, slots, shape.block_size):
-        _gather_side(kv, plan.k, out[0, layer])
-        _gather_side(kv, plan.v, out[1, layer])
+    runs, rest = _block_runs(slots, shape.block_size)
+    heads, dim = shape.num_kv_heads, shape.head_size
+    for layer, kv in enumerate(kv_caches):
+        k, v = layout._kv_views(kv) if runs else (None, None)
+        for dst_block, src_tok, n in runs:
+            tokens = slice(src_tok, src_tok + n * shape.block_size)
+            out[0, layer, tokens].view(n, shape.block_size, heads, dim).copy_(k[dst_block : dst_block + n])
+            out[1, layer, tokens].view(n, shape.block_size, heads, dim).copy_(v[dst_block : dst_block + n])
+    if rest is not None:
+        sub = out[:, :, rest]
+        for layer, kv, plan in _plans(layout, kv_caches, slots[rest], shape.block_size):
+            _gather_side(kv, plan.k, sub[0, layer])
+            _gather_side(kv, plan.v, sub[1, layer])
+        out[:, :, rest] = sub
 
 
 def scatter_chunk(
@@ -552,9 +563,54 @@ def scatter_chunk(
     first = kv_caches[0]
     slots = _check_slots(slots, _num_slots(layout, first), first.device)
     _check_buffer("src", src, shape.chunk_shape(slots.numel()), first)
-    for layer, kv, plan in _plans(layout, kv_caches, slots, shape.block_size):
-        _scatter_side(kv, plan.k, src[0, layer])
-        _scatter_side(kv, plan.v, src[1, layer])
+    runs, rest = _block_runs(slots, shape.block_size)
+    heads, dim = shape.num_kv_heads, shape.head_size
+    for layer, kv in enumerate(kv_caches):
+        k, v = layout._kv_views(kv) if runs else (None, None)
+        for dst_block, src_tok, n in runs:
+            tokens = slice(src_tok, src_tok + n * shape.block_size)
+            k[dst_block : dst_block + n].copy_(src[0, layer, tokens].view(n, shape.block_size, heads, dim))
+            v[dst_block : dst_block + n].copy_(src[1, layer, tokens].view(n, shape.block_size, heads, dim))
+    if rest is not None:
+        sub = src[:, :, rest]
+        for layer, kv, plan in _plans(layout, kv_caches, slots[rest], shape.block_size):
+            _scatter_side(kv, plan.k, sub[0, layer])
+            _scatter_side(kv, plan.v, sub[1, layer])
+
+
+def _block_runs(slots: torch.Tensor, block_size: int) -> tuple[list[tuple[int, int, int]], torch.Tensor | None]:
+    """Split a chunk's slots into runs of whole blocks and the tokens left over.
+
+    Returns ``(runs, rest)``: each run ``(first_block, first_token, num_blocks)``
+    says that tokens ``[first_token, first_token + num_blocks * block_size)``
+    fill blocks ``first_block ..`` completely and in order, so they move with
+    one strided copy per run, layer and K/V (a transpose where the layout
+    stores K column-major), never element by element. ``rest``: indices of the
+    other tokens (a partial first or last block), or None. Whole blocks are
+    what a chunk is in vLLM (chunks are a multiple of the block size); the
+    remainder is at most a block at each end.
+    """
+    n = slots.numel()
+    if n < block_size or slots.device.type != "cpu":
+        return [], (torch.arange(n, device=slots.device) if n else None)
+    s = slots.tolist()
+    runs: list[tuple[int, int, int]] = []
+    rest: list[int] = []
+    i = 0
+    while i < n:
+        first = s[i]
+        if first % block_size == 0 and i + block_size <= n and s[i + block_size - 1] == first + block_size - 1 \
+                and s[i : i + block_size] == list(range(first, first + block_size)):
+            block = first // block_size
+            if runs and runs[-1][0] + runs[-1][2] == block and runs[-1][1] + runs[-1][2] * block_size == i:
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((block, i, 1))
+            i += block_size
+        else:
+            rest.append(i)
+            i += 1
+    return runs, (torch.tensor(rest, dtype=torch.long) if rest else None)
 
 
 def _num_slots(layout: PagedLayout, kv: torch.Tensor) -> int:

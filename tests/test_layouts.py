@@ -425,6 +425,52 @@ def test_chunk_gather_scatter(kind, name, dtype):
     assert same_bits(out, src)
 
 
+def whole_block_slots(blocks: list[int], n: int, head: int = 0, tail: int = 0) -> torch.Tensor:
+    """Slots of a vLLM-shaped chunk: the last ``head`` offsets of blocks[0] (if ``head``),
+    whole blocks, then the first ``tail`` offsets of the last block."""
+    parts = []
+    rest = list(blocks)
+    if head:
+        b = rest.pop(0)
+        parts.append(torch.arange(b * n + n - head, (b + 1) * n))
+    last = rest.pop() if tail else None
+    parts += [torch.arange(b * n, (b + 1) * n) for b in rest]
+    if last is not None:
+        parts.append(torch.arange(last * n, last * n + tail))
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize(("kind", "name"), CHUNK_CASES)
+@pytest.mark.parametrize(("order", "head", "tail"), [
+    ([3, 4, 5, 0], 0, 0),  # a run of three consecutive blocks, then one more
+    ([5, 2, 3, 1], 0, 7),  # a partial last block (a prompt's tail)
+    ([1, 4, 2, 6], 5, 9),  # partial at both ends
+    ([2], 0, 0),           # exactly one block
+])
+def test_chunk_of_whole_blocks_matches_reference(kind, name, order, head, tail):
+    """Whole blocks move in per-block strided copies; bytes match the per-token references."""
+    gen = torch.Generator().manual_seed(13)
+    layers, blocks, heads, n, d = 2, 8, 2, 16, 8
+    layout = make_layout(kind)
+    caches = vllm_kv_caches(
+        name, layers=layers, blocks=blocks, heads=heads, block_size=n, head_size=d, dtype=torch.float32, gen=gen
+    )
+    slots = whole_block_slots(order, n, head, tail)
+    t = slots.numel()
+    out = torch.empty(2, layers, t, heads * d)
+    gather_chunk(layout, caches, slots, out)
+    for i, kv in enumerate(caches):
+        assert same_bits(out[:, i], ref_gather(kind, kv, slots))
+
+    mem = storage_bytes(caches[0])
+    expected = mem.clone()
+    src = rand((2, layers, t, heads * d), torch.float32, gen)
+    scatter_chunk(layout, caches, slots, src)
+    for i, kv in enumerate(caches):
+        ref_scatter(kind, same_view(kv, expected), slots, src[:, i].contiguous())
+    assert torch.equal(mem, expected), "a whole-block copy touched bytes outside its tokens"
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_no_tokens_is_a_no_op(kind):
     gen = torch.Generator().manual_seed(4)
