@@ -33,16 +33,14 @@ from lmcache.v1.token_database import TokenDatabase
 from lmcache_mooncake import layouts
 from lmcache_mooncake.config import CacheConfig, MooncakeConfig
 from lmcache_mooncake.keys import KeyNamespace, chunk_keys
-from lmcache_mooncake.tiers import WRITES, disk
+from lmcache_mooncake.tiers import disk
+from lmcache_mooncake.tiers.base import EngineContext, engine_context, release_context
 
 logger = logging.getLogger(__name__)
 
 #: request_configs entries that carry the request's salt and LoRA to the key database.
 SALT = "lmcm.cache_salt"
 LORA = "lmcm.lora"
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def request_configs(cache_salt: str | None, lora: str | None) -> dict[str, Any]:
     """What store/retrieve/lookup need to derive a request's keys."""
@@ -146,21 +144,29 @@ def build_engine(
     kv_dtype: torch.dtype,
     instance_id: str,
 ) -> LMCacheEngine:
-    """Create and start an LMCache engine with our copier, key database and tiers."""
+    """Create and start an LMCache engine with our copier, key database and tiers.
+
+    Its counters, write tracking and tier settings are in
+    :func:`context` ``(instance_id)``; close it with :func:`close_engine`.
+    """
+    ctx = engine_context(instance_id)
     extra: dict[str, Any] = {}
     plugins: list[str] = []
     if cfg.disk_path is not None:
         plugins.append(disk.PLUGIN_NAME)
-        extra.update(
-            disk.plugin_extra_config(
-                cfg.disk_path, int(cfg.max_local_disk_size * 2**30), cfg.verify_on_lookup
-            )
+        ctx.tier_settings[disk.PLUGIN_NAME] = disk.DiskTierSettings(
+            cfg.disk_path, int(cfg.max_local_disk_size * 2**30), cfg.verify_on_lookup
         )
+        extra.update(disk.DiskTierConnector.plugin_extra_config())
     if cfg.mooncake is not None:
         from lmcache_mooncake.tiers import mooncake
 
         plugins.append(mooncake.PLUGIN_NAME)
-        extra.update(mooncake.plugin_extra_config(store_addresses(cfg.mooncake), cfg.mooncake))
+        ctx.tier_settings[mooncake.PLUGIN_NAME] = mooncake.MooncakeTierSettings(
+            cfg.mooncake, store_addresses(cfg.mooncake)
+        )
+        extra.update(mooncake.MooncakeTierConnector.plugin_extra_config())
+    ctx.writers = list(plugins)
     lm_config = LMCacheEngineConfig.from_defaults(
         chunk_size=namespace.chunk_size,
         local_cpu=cfg.local_cpu,
@@ -225,14 +231,21 @@ def _no_broadcast_object(obj: Any, src: int) -> Any:
     return obj
 
 
+def context(engine_or_id: LMCacheEngine | str) -> EngineContext:
+    """The counters, write tracking and tier settings of an engine built by :func:`build_engine`."""
+    if isinstance(engine_or_id, str):
+        return engine_context(engine_or_id)
+    return engine_context(str(engine_or_id.config.lmcache_instance_id))
+
+
 def pending_writes(engine: LMCacheEngine) -> int:
     """Chunks handed to slower tiers (disk, store) whose writes have not finished."""
-    return WRITES.count
+    return context(engine).writes.count
 
 
 def drain(engine: LMCacheEngine, timeout: float) -> bool:
     """Wait until every write to slower tiers has finished; False on timeout."""
-    return WRITES.wait(timeout)
+    return context(engine).writes.wait(timeout)
 
 
 def close_engine(engine: LMCacheEngine, instance_id: str, timeout: float = 60.0) -> None:
@@ -240,9 +253,4 @@ def close_engine(engine: LMCacheEngine, instance_id: str, timeout: float = 60.0)
     if not drain(engine, timeout):
         logger.warning("closing with %d chunk writes still pending", pending_writes(engine))
     LMCacheEngineBuilder.destroy(instance_id)
-
-
-def torch_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    return _DTYPES[name]
+    release_context(instance_id)

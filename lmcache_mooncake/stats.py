@@ -1,4 +1,4 @@
-"""Process-wide counters of what the connector did (hits, writes, failures).
+"""Counters of what the connector did (hits, writes, failures), one set per engine.
 
 The worker side writes them as JSON to ``<run_dir>/stats-rank<N>.json`` so
 tests, the demo and operators can read what happened inside vLLM's worker
@@ -60,9 +60,6 @@ class Stats:
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(data, sort_keys=True))
         os.replace(tmp, path)
-
-
-STATS = Stats()
 
 
 def read_stats(run_dir: str | os.PathLike[str]) -> dict[str, int]:

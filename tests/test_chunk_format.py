@@ -29,3 +29,29 @@ def test_damage_wrong_key_and_truncation_are_detected():
         decode(b"\x00" * 4, "k")
     with pytest.raises(ChunkVerificationError):
         decode(b"garbage-garbage-garbage", "k")
+
+
+def test_chunk_is_a_safetensors_file():
+    from safetensors.torch import load
+
+    t = torch.randn(2, 3, 5, 8)
+    assert torch.equal(load(encode("k", t))["kv"], t)
+
+
+def test_decode_into_checks_the_destination_and_damage_there():
+    from lmcache_mooncake.chunk_format import decode_into, encode_header, parse_header, verify
+
+    t = torch.randn(2, 2, 6, 8)
+    data = encode("k", t)
+    assert data == encode_header("k", t) + t.numpy().tobytes(), "header, then the payload as it lies"
+    out = torch.empty_like(t)
+    decode_into(data, "k", out)
+    assert torch.equal(out, t)
+    with pytest.raises(ChunkVerificationError, match="destination"):
+        decode_into(data, "k", torch.empty(2, 2, 5, 8))
+    header = parse_header(data[: len(encode_header("k", t))], "k")  # the header alone parses
+    payload = bytearray(data[header.payload_offset :])
+    verify(header, payload)
+    payload[7] ^= 0x10
+    with pytest.raises(ChunkVerificationError, match="checksum"):
+        verify(header, payload)

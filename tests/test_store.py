@@ -90,6 +90,18 @@ def agent_main() -> None:
                     for k, b, c in zip(req["keys"], bufs, codes, strict=True)
                 ]
                 reply({"codes": codes, "exact": exact, "elapsed": elapsed})
+            elif op == "put_parts":
+                # Each object stored as two parts (a head and the rest), read back whole.
+                parts = [(payload(k, req["size"])[:100], payload(k, req["size"])[100:]) for k in req["keys"]]
+                reply({"codes": client.batch_put(req["keys"], parts)})
+            elif op == "get_visit":
+                seen: dict[int, bool] = {}
+
+                def visit(i: int, data: memoryview) -> None:
+                    seen[i] = bool((np.frombuffer(data, np.uint8) == payload(req["keys"][i], req["size"])).all())
+
+                codes = client.batch_get_visit(req["keys"], [req["size"]] * len(req["keys"]), visit)
+                reply({"codes": codes, "exact": [seen.get(i, False) for i in range(len(codes))]})
             elif op == "exists":
                 r = client.batch_exists(req["keys"])
                 reply({"result": r, "elapsed": time.monotonic() - t0})
@@ -226,6 +238,19 @@ def test_round_trip_across_processes_and_clean_stop(stores, agents, tmp_path):
     assert read_state(st.state_dir) is None
     after = store_status(st.state_dir)
     assert not after["running"] and not after["healthy"]
+
+
+def test_parts_put_as_one_object_and_visited_in_staging(stores, agents):
+    st = stores()
+    a = agents()
+    a("connect", state_dir=str(st.state_dir), mode="shm", local_buffer_bytes=4 * MiB)
+    keys = [f"parts-{i}" for i in range(6)]  # 6 MiB: more than one round of the staging region
+    assert a("put_parts", keys=keys, size=MiB)["codes"] == [0] * 6
+    got = a("get", keys=keys, size=MiB)
+    assert got["codes"] == [MiB] * 6 and all(got["exact"]), "the parts are one object, back to back"
+    visited = a("get_visit", keys=[*keys, "absent"], size=MiB)
+    assert visited["codes"] == [MiB] * 6 + [-704]
+    assert visited["exact"] == [True] * 6 + [False], "the visitor sees each object's bytes, and none for a miss"
 
 
 def test_data_survives_the_writer(stores, agents):

@@ -18,10 +18,9 @@ from lmcache_mooncake import layouts
 from lmcache_mooncake.config import CacheConfig
 from lmcache_mooncake.connector.lookup import LookupServer
 from lmcache_mooncake.connector.metadata import LoadOp, SaveOp, StepMetadata
-from lmcache_mooncake.engine import build_engine, close_engine, request_configs
+from lmcache_mooncake.engine import build_engine, close_engine, context, request_configs
 from lmcache_mooncake.keys import KeyNamespace, namespace_for
-from lmcache_mooncake.stats import STATS
-from lmcache_mooncake.tiers import WRITES
+from lmcache_mooncake.stats import Stats
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +59,8 @@ class WorkerSide:
         self._saving: dict[str, list[str]] = {}
         self._finished: set[str] = set()
         self.stats_path = run_dir / f"stats-rank{tp_rank}.json"
+        # The engine's own counters (its tiers count into them too).
+        self.stats: Stats = context(instance_id).stats
 
     # -- set-up ------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -84,9 +85,9 @@ class WorkerSide:
         assert self.engine is not None
         t0 = time.perf_counter()
         hit = self.engine.lookup(tokens=tokens, request_configs=request_configs(salt, lora))
-        STATS.add("lookups")
-        STATS.add("lookup_hit_tokens", hit)
-        STATS.add("lookup_us", int((time.perf_counter() - t0) * 1e6))
+        self.stats.add("lookups")
+        self.stats.add("lookup_hit_tokens", hit)
+        self.stats.add("lookup_us", int((time.perf_counter() - t0) * 1e6))
         return hit
 
     # -- per step ----------------------------------------------------------
@@ -126,19 +127,19 @@ class WorkerSide:
             last_block = (op.end - 1) // self.block_size
             bad = op.block_ids[first_block : last_block + 1]
             self._failed_blocks.update(bad)
-            STATS.add("load_failures")
-            STATS.add("load_failed_tokens", op.end - max(loaded, op.start))
+            self.stats.add("load_failures")
+            self.stats.add("load_failed_tokens", op.end - max(loaded, op.start))
             logger.warning(
                 "request %s: loaded %d of %d planned tokens; %d blocks will be recomputed",
                 op.req_id, max(loaded, op.start) - op.start, op.end - op.start, len(bad),
             )
-        STATS.add("loaded_tokens", max(min(loaded, op.end) - op.start, 0))
-        STATS.add("load_us", int((time.perf_counter() - t0) * 1e6))
+        self.stats.add("loaded_tokens", max(min(loaded, op.end) - op.start, 0))
+        self.stats.add("load_us", int((time.perf_counter() - t0) * 1e6))
 
     def save(self, meta: StepMetadata) -> None:
         for op in meta.saves:
             self._save(op)
-        STATS.dump(self.stats_path)
+        self.stats.dump(self.stats_path)
 
     def _save(self, op: SaveOp) -> None:
         assert self.engine is not None
@@ -166,22 +167,22 @@ class WorkerSide:
         except Exception:
             # A failed save is a future miss, never a wrong answer.
             logger.exception("request %s: saving KV failed; it will not be cached", op.req_id)
-            STATS.add("save_failures")
+            self.stats.add("save_failures")
             return
-        STATS.add("saved_tokens", len(tokens) - op.skip)
-        STATS.add("save_us", int((time.perf_counter() - t0) * 1e6))
+        self.stats.add("saved_tokens", len(tokens) - op.skip)
+        self.stats.add("save_us", int((time.perf_counter() - t0) * 1e6))
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str] | None:
         """Producer: finished requests whose chunks are now written to every tier."""
         if not self.producer:
             return None
         self._finished.update(r for r in finished_req_ids if r in self._saving)
-        done = {r for r in self._finished if not WRITES.any_in_flight(self._saving[r])}
+        done = {r for r in self._finished if not context(self.instance_id).writes.any_in_flight(self._saving[r])}
         for r in done:
             self._finished.discard(r)
             self._saving.pop(r, None)
         if done:
-            STATS.add("producer_requests_durable", len(done))
+            self.stats.add("producer_requests_durable", len(done))
         return done or None
 
     def take_failed_blocks(self) -> set[int]:
@@ -195,4 +196,4 @@ class WorkerSide:
         if self.engine is not None:
             close_engine(self.engine, self.instance_id)
             self.engine = None
-        STATS.dump(self.stats_path, force=True)
+        self.stats.dump(self.stats_path, force=True)

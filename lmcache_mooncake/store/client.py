@@ -193,18 +193,29 @@ def _local_ip_towards(host: str) -> str:
 
 
 class _Buf:
-    """A caller's buffer reduced to (address, size), or a torch device tensor."""
+    """A caller's buffer reduced to (address, size), or a torch device tensor, or parts."""
 
-    __slots__ = ("ptr", "nbytes", "tensor", "keep")
+    __slots__ = ("ptr", "nbytes", "tensor", "keep", "parts")
 
-    def __init__(self, ptr: int | None, nbytes: int, tensor: Any = None, keep: Any = None):
+    def __init__(self, ptr: int | None, nbytes: int, tensor: Any = None, keep: Any = None,
+                 parts: list[_Buf] | None = None):
         self.ptr = ptr
         self.nbytes = nbytes
         self.tensor = tensor  # set only for non-CPU torch tensors (copied with torch)
         self.keep = keep
+        self.parts = parts  # a put of several buffers stored back to back as one object
 
 
 def _resolve(buf: Any, writable: bool) -> _Buf | None:
+    if isinstance(buf, tuple) and not writable:
+        parts = [_resolve(b, writable) for b in buf]
+        if any(p is None for p in parts):
+            return None
+        return _Buf(None, sum(p.nbytes for p in parts), parts=parts)  # type: ignore[union-attr]
+    return _resolve_one(buf, writable)
+
+
+def _resolve_one(buf: Any, writable: bool) -> _Buf | None:
     mod = type(buf).__module__ or ""
     if mod.startswith("torch") and hasattr(buf, "data_ptr"):
         t = buf
@@ -282,6 +293,15 @@ class _Worker:
 
     def stop(self) -> None:
         self._q.put(None)
+
+
+class _Sized:
+    """A get destination that is only a size: the bytes are handed to a visitor in staging."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, nbytes: int):
+        self.nbytes = int(nbytes)
 
 
 # Resources that an abandoned Mooncake call may still use; kept alive for the process.
@@ -670,7 +690,9 @@ class StoreClient:
 
         ``buffers``: bytes-like objects (bytes, bytearray, memoryview, numpy
         arrays) or contiguous torch tensors (CPU or device), any dtype; the
-        stored object is their raw bytes. ``timeout_s``: this call's limit
+        stored object is their raw bytes. A tuple of such buffers is stored
+        as one object, its parts back to back (a chunk's header and payload,
+        with no encoded copy of the two). ``timeout_s``: this call's limit
         (default: the client's ``timeout_s``); writes off the request path may
         allow more.
         """
@@ -684,7 +706,22 @@ class StoreClient:
         """
         return self._transfer(list(keys), list(buffers), put=False)
 
-    def _transfer(self, keys: list[str], buffers: list[Any], put: bool, timeout_s: float | None = None) -> list[int]:
+    def batch_get_visit(
+        self, keys: Sequence[str], max_sizes: Sequence[int], visit: Callable[[int, memoryview], None]
+    ) -> list[int]:
+        """Read each key into the staging region and call ``visit(index, bytes)`` for each one read.
+
+        ``visit`` runs on the caller's thread, with the object's bytes still in
+        the staging region (valid only during the call): a reader checks and
+        copies them straight into their destination, with no intermediate
+        buffer. ``max_sizes[i]``: the largest object expected for ``keys[i]``.
+        Returns codes as :meth:`batch_get_into` (an exception in ``visit``
+        propagates after the staging region is released).
+        """
+        return self._transfer(list(keys), [_Sized(n) for n in max_sizes], put=False, visit=visit)
+
+    def _transfer(self, keys: list[str], buffers: list[Any], put: bool, timeout_s: float | None = None,
+                  visit: Callable[[int, memoryview], None] | None = None) -> list[int]:
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
         n = len(keys)
@@ -695,7 +732,7 @@ class StoreClient:
         items: list[tuple[int, _Buf]] = []
         sizes_by_index = [0] * n
         for i, b in enumerate(buffers):
-            rb = _resolve(b, writable=not put)
+            rb = _Buf(None, b.nbytes) if isinstance(b, _Sized) else _resolve(b, writable=not put)
             if rb is None:
                 continue
             sizes_by_index[i] = rb.nbytes
@@ -724,7 +761,7 @@ class StoreClient:
                         results[i] = code
             else:
                 try:
-                    self._do_rounds(keys, rounds, results, deadline, put)
+                    self._do_rounds(keys, rounds, results, deadline, put, visit)
                 finally:
                     self._lock.release()
         self._count(results, sizes_by_index, put)
@@ -737,6 +774,7 @@ class StoreClient:
         results: list[int],
         deadline: float,
         put: bool,
+        visit: Callable[[int, memoryview], None] | None = None,
     ) -> None:
         what = "batch_put_from" if put else "batch_get_into"
         for r, rnd in enumerate(rounds):
@@ -766,9 +804,12 @@ class StoreClient:
                 return
             codes = [int(v) for v in val] + [ERR_INTERNAL] * (len(rnd) - len(val))
             for (i, rb, off), c in zip(rnd, codes, strict=False):
-                if not put and c > 0:
-                    self._copy_out(rb, off, min(c, rb.nbytes))
                 results[i] = c
+                if not put and c > 0:
+                    if visit is not None:
+                        visit(i, self._staging_view(off, min(c, rb.nbytes)))
+                    else:
+                        self._copy_out(rb, off, min(c, rb.nbytes))
             self._check_codes(codes, what)
             if not self._healthy:
                 for later in rounds[r + 1 :]:
@@ -794,7 +835,15 @@ class StoreClient:
             self._staging_tensor = torch.frombuffer(mem, dtype=torch.uint8)
         return self._staging_tensor
 
+    def _staging_view(self, off: int, n: int) -> memoryview:
+        return memoryview((ctypes.c_char * n).from_address(self._staging_ptr + off)).cast("B")
+
     def _copy_in(self, rb: _Buf, off: int) -> None:
+        if rb.parts is not None:
+            for part in rb.parts:
+                self._copy_in(part, off)
+                off += part.nbytes
+            return
         if rb.nbytes == 0:
             return
         if rb.tensor is not None:

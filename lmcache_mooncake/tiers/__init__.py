@@ -1,56 +1,8 @@
-"""Storage tiers plugged into LMCache, and the tracking of their unfinished writes.
+"""Storage tiers plugged into LMCache's engine after its CPU tier.
 
-LMCache's remote backend tracks single puts but not batched ones, so a
-process cannot tell from LMCache when the chunks it handed to a slower tier
-are written. Our tiers report each write from the moment LMCache submits it
-(:meth:`WriteTracker.begin`, called synchronously inside ``engine.store``) to
-its end (:meth:`WriteTracker.end`), per key. That answers "are all writes
-done?" (:func:`lmcache_mooncake.engine.drain`) and "are this request's chunks
-written?" (a producer holds a request's blocks until they are).
+- :mod:`.disk`: a persistent folder of verified chunk files;
+- :mod:`.mooncake`: the shared Mooncake Store;
+- :mod:`.base`: what both share (LMCache's remote-connector contract for
+  verified chunks) and the per-engine :class:`~.base.EngineContext`;
+- :mod:`.writes`: tracking of unfinished writes.
 """
-
-from __future__ import annotations
-
-import threading
-from collections import Counter
-from collections.abc import Iterable
-
-
-class WriteTracker:
-    def __init__(self) -> None:
-        self._in_flight: Counter[str] = Counter()
-        self._total = 0
-        self._cond = threading.Condition()
-
-    def begin(self, keys: Iterable[str]) -> None:
-        with self._cond:
-            for k in keys:
-                self._in_flight[k] += 1
-                self._total += 1
-
-    def end(self, keys: Iterable[str]) -> None:
-        with self._cond:
-            for k in keys:
-                self._in_flight[k] -= 1
-                if self._in_flight[k] <= 0:
-                    del self._in_flight[k]
-                self._total -= 1
-            self._cond.notify_all()
-
-    @property
-    def count(self) -> int:
-        """Writes submitted and not finished, over all tiers and keys."""
-        with self._cond:
-            return self._total
-
-    def any_in_flight(self, keys: Iterable[str]) -> bool:
-        with self._cond:
-            return any(k in self._in_flight for k in keys)
-
-    def wait(self, timeout: float) -> bool:
-        """True once no write is pending; False if ``timeout`` passed first."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._total <= 0, timeout)
-
-
-WRITES = WriteTracker()

@@ -2,36 +2,38 @@
 
 LMCache 0.5.6's own ``local_disk`` tier keeps its index in memory only, so a
 fresh process sees none of the files an earlier one wrote. This tier needs no
-index: a chunk's file name is derived from its key, so "is it there?" is a
-``stat``. It is loaded through LMCache's remote-storage plug-in mechanism
-(``remote_storage_plugins`` + ``remote_storage_plugin.<name>.module_path`` /
-``.class_name``), so LMCache's engine treats it as the tier after its CPU tier.
+index: a chunk's file name is derived from its key (:func:`keys.file_name`),
+so "is it there?" is a ``stat``. It is loaded through LMCache's remote-storage
+plug-in mechanism, so LMCache's engine treats it as the tier after its CPU tier.
 
 Every file is a verified chunk (:mod:`lmcache_mooncake.chunk_format`); a file
-that fails its check is a miss, is counted, logged and removed. Writes go to a
-temporary file and are renamed into place, so a crash never leaves a
-half-written file under a valid name. The folder is bounded by
-``max_local_disk_size``: past it the least recently written files are removed.
+that fails its check is a miss, is counted, logged and removed. Reads go
+straight into LMCache's buffer (``readinto``) and are checked there: one copy.
+With ``verify_on_lookup`` a lookup reads and checks each chunk it has not
+checked before and keeps it in the CPU tier, so the load that follows copies
+it once into paged KV and reads nothing again. Writes go to a temporary file
+(the header and the payload as it lies in LMCache's buffer) and are renamed
+into place, so a crash never leaves a half-written file under a valid name.
+The folder is bounded by ``max_local_disk_size``: past it the least recently
+written files are removed.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
+import struct
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from lmcache.utils import CacheEngineKey
-from lmcache.v1.memory_management import MemoryFormat, MemoryObj
-from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+from lmcache.v1.memory_management import MemoryObj
 
 from lmcache_mooncake import chunk_format, keys
-from lmcache_mooncake.stats import STATS
-from lmcache_mooncake.tiers import WRITES
+from lmcache_mooncake.tiers.base import VerifiedTier
 
 logger = logging.getLogger(__name__)
 
@@ -39,19 +41,11 @@ PLUGIN_NAME = "lmcm_disk"
 SUFFIX = keys.FILE_SUFFIX
 
 
-def plugin_extra_config(path: Path, max_bytes: int, verify_on_lookup: bool) -> dict[str, Any]:
-    """The ``extra_config`` entries that make LMCache load this tier."""
-    prefix = f"remote_storage_plugin.{PLUGIN_NAME}"
-    return {
-        f"{prefix}.module_path": __name__,
-        f"{prefix}.class_name": DiskTierConnector.__name__,
-        f"{prefix}.path": str(path),
-        f"{prefix}.max_bytes": int(max_bytes),
-        f"{prefix}.verify_on_lookup": bool(verify_on_lookup),
-        # LMCache asks remote tiers on its event loop unless told to ask
-        # synchronously; a stat needs no loop hop.
-        "use_exists_sync": True,
-    }
+@dataclass(frozen=True)
+class DiskTierSettings:
+    path: Path
+    max_bytes: int
+    verify_on_lookup: bool = True
 
 
 def chunk_file_name(key: CacheEngineKey) -> str:
@@ -59,18 +53,17 @@ def chunk_file_name(key: CacheEngineKey) -> str:
     return keys.file_name(key.model_name, key.chunk_hash)
 
 
-class DiskTierConnector(RemoteConnector):
+class DiskTierConnector(VerifiedTier):
     """LMCache remote connector over a local folder of verified chunk files."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, local_cpu_backend: Any, config: Any):
-        super().__init__(local_cpu_backend.config, local_cpu_backend.metadata)
-        extra = config.extra_config or {}
-        prefix = f"remote_storage_plugin.{PLUGIN_NAME}"
-        self.loop = loop
-        self.local_cpu_backend = local_cpu_backend
-        self.root = Path(extra[f"{prefix}.path"])
-        self.max_bytes = int(extra[f"{prefix}.max_bytes"])
-        self.verify_on_lookup = bool(extra.get(f"{prefix}.verify_on_lookup", True))
+    PLUGIN_NAME = PLUGIN_NAME
+
+    def __init__(self, loop: Any, local_cpu_backend: Any, config: Any):
+        super().__init__(loop, local_cpu_backend, config)
+        s: DiskTierSettings = self.settings
+        self.root = Path(s.path)
+        self.max_bytes = int(s.max_bytes)
+        self.verify_on_lookup = bool(s.verify_on_lookup)
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         # Paths whose bytes were checked, with the (size, mtime) they had then.
@@ -108,7 +101,7 @@ class DiskTierConnector(RemoteConnector):
             self._verified.pop(path, None)
 
     def _discard_bad(self, path: Path, why: str) -> None:
-        STATS.add("verify_failures")
+        self.stats.add("verify_failures")
         logger.warning("disk tier: chunk %s failed verification (%s); removed, will recompute", path, why)
         try:
             path.unlink()
@@ -116,23 +109,52 @@ class DiskTierConnector(RemoteConnector):
             pass
         self._forget(str(path))
 
-    def _read_verified(self, path: Path, key: CacheEngineKey) -> torch.Tensor | None:
+    def _read_verified(self, path: Path, key: CacheEngineKey, busy_loop: bool = True) -> MemoryObj | None:
+        """Read the chunk at ``path`` straight into a new LMCache buffer and check it there."""
         try:
-            data = path.read_bytes()
+            f = open(path, "rb")
         except FileNotFoundError:
             return None
-        try:
-            tensor = chunk_format.decode(data, key.to_string())
-        except chunk_format.ChunkVerificationError as e:
-            self._discard_bad(path, str(e))
-            return None
-        st = path.stat()
+        with f:
+            st = os.fstat(f.fileno())
+            try:
+                head = f.read(8)
+                (hlen,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
+                header = chunk_format.parse_header(head + f.read(min(hlen, chunk_format.HEADER_ROOM)),
+                                                   key.to_string())
+                if header.total_nbytes != st.st_size:
+                    raise chunk_format.ChunkVerificationError(
+                        f"file is {st.st_size} bytes, its header says {header.total_nbytes}")
+            except chunk_format.ChunkVerificationError as e:
+                self._discard_bad(path, str(e))
+                return None
+            obj = self._allocate(header, busy_loop=busy_loop)
+            if obj is None:
+                return None
+            payload = chunk_format.tensor_bytes(obj.tensor)
+            n = f.readinto(payload)
+            try:
+                if n != header.payload_nbytes:
+                    raise chunk_format.ChunkVerificationError(f"read {n} of {header.payload_nbytes} payload bytes")
+                chunk_format.verify(header, payload)
+            except chunk_format.ChunkVerificationError as e:
+                obj.ref_count_down()
+                self._discard_bad(path, str(e))
+                return None
         with self._lock:
             self._verified[str(path)] = (st.st_size, st.st_mtime_ns)
-        return tensor
+        return obj
 
-    # -- RemoteConnector ---------------------------------------------------
-    def exists_sync(self, key: CacheEngineKey) -> bool:
+    # -- VerifiedTier --------------------------------------------------------
+    def _contains_prefix(self, keys_: list[CacheEngineKey]) -> int:
+        hits = 0
+        for key in keys_:
+            if not self._contains(key):
+                break
+            hits += 1
+        return hits
+
+    def _contains(self, key: CacheEngineKey) -> bool:
         try:
             path = self._path(key)
             st = path.stat()
@@ -144,52 +166,57 @@ class DiskTierConnector(RemoteConnector):
             known = self._verified.get(str(path))
         if known == (st.st_size, st.st_mtime_ns):
             return True
-        return self._read_verified(path, key) is not None
+        # Checked once, and kept in the CPU tier for the load that follows.
+        obj = self._read_verified(path, key, busy_loop=False)
+        if obj is None:
+            return False
+        # A disk hit: this chunk is served from what was read here.
+        self.stats.add("disk_hits")
+        self.stats.add("disk_verified_on_lookup")
+        self._promote(key, obj)
+        return True
 
-    async def exists(self, key: CacheEngineKey) -> bool:
-        return self.exists_sync(key)
+    def _get_sync(self, keys_: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        out: list[MemoryObj | None] = []
+        for key in keys_:
+            try:
+                path = self._path(key)
+            except ValueError:
+                out.append(None)
+                continue
+            obj = self._read_verified(path, key)
+            if obj is not None:
+                self.stats.add("disk_hits")
+            out.append(obj)
+        return out
 
-    def _get_sync(self, key: CacheEngineKey) -> MemoryObj | None:
-        try:
-            path = self._path(key)
-        except ValueError:
-            return None
-        tensor = self._read_verified(path, key)
-        if tensor is None:
-            return None
-        memory_obj = self.local_cpu_backend.allocate(
-            [tensor.shape], [tensor.dtype], MemoryFormat.KV_2LTD
-        )
-        if memory_obj is None:
-            logger.warning("disk tier: no CPU memory to stage chunk %s; treating as a miss", path.name)
-            return None
-        memory_obj.tensor.copy_(tensor)
-        STATS.add("disk_hits")
-        return memory_obj
+    def _put_sync(self, keys_: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
+        for key, obj in zip(keys_, memory_objs, strict=True):
+            self._put_one(key, obj)
 
-    async def get(self, key: CacheEngineKey) -> MemoryObj | None:
-        return self._get_sync(key)
-
-    def _put_sync(self, key: CacheEngineKey, tensor: torch.Tensor) -> None:
+    def _put_one(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
         path = self._path(key)
+        tensor = memory_obj.tensor
         logger.debug("disk tier: writing %s (%d tokens)", path.name, tensor.shape[2])
-        data = chunk_format.encode(key.to_string(), tensor)
+        header = self._header(key, memory_obj)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        size = len(header) + tensor.numel() * tensor.element_size()
         try:
             with open(tmp, "wb") as f:
-                f.write(data)
+                f.write(header)
+                f.write(chunk_format.tensor_bytes(tensor))
             os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
         with self._lock:
             old = self._sizes.pop(str(path), 0)
-            self._sizes[str(path)] = len(data)
-            self._total += len(data) - old
-            self._verified[str(path)] = (len(data), path.stat().st_mtime_ns)
-        STATS.add("disk_writes")
-        STATS.add("disk_bytes_written", len(data))
+            self._sizes[str(path)] = size
+            self._total += size - old
+            self._verified[str(path)] = (size, path.stat().st_mtime_ns)
+        self.stats.add("disk_writes")
+        self.stats.add("disk_bytes_written", size)
         self._evict()
 
     def _evict(self) -> None:
@@ -202,22 +229,9 @@ class DiskTierConnector(RemoteConnector):
                 self._verified.pop(victim, None)
             try:
                 os.unlink(victim)
-                STATS.add("disk_evictions")
+                self.stats.add("disk_evictions")
             except FileNotFoundError:
                 pass
-
-    def put(self, key: CacheEngineKey, memory_obj: MemoryObj):  # type: ignore[override]
-        # A plain function returning the coroutine LMCache schedules, so the
-        # write counts as pending from the moment it is submitted.
-        WRITES.begin([key.to_string()])
-        return self._write(key, memory_obj)
-
-    async def _write(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
-        try:
-            # Off the event loop, so lookups are not held up by I/O.
-            await self.loop.run_in_executor(None, self._put_sync, key, memory_obj.tensor)
-        finally:
-            WRITES.end([key.to_string()])
 
     async def list(self) -> list[str]:
         return [Path(p).name for p in self._sizes]
@@ -233,6 +247,3 @@ class DiskTierConnector(RemoteConnector):
             return False
         self._forget(str(path))
         return True
-
-    def support_ping(self) -> bool:
-        return False

@@ -2,11 +2,15 @@
 
 Loaded through LMCache's remote-storage plug-in mechanism (the same one as
 :mod:`tiers.disk`), after the CPU and disk tiers. It talks to the store with
-:class:`lmcache_mooncake.store.client.StoreClient`: batched existence checks,
-batched puts and gets through one registered buffer, and a timeout on every
-call, so a slow or dead store is a miss within ``mooncake.timeout``, never a
-hang. Objects are verified chunks (:mod:`chunk_format`): bytes from the store
-that fail their check are a miss, counted and logged.
+:class:`lmcache_mooncake.store.client.StoreClient`: one batched existence
+check per lookup, one batched get per load and one batched put per store,
+through the client's registered staging region, with a timeout on every call,
+so a slow or dead store is a miss within ``mooncake.timeout``, never a hang.
+Objects are verified chunks (:mod:`chunk_format`); bytes from the store are
+checked where they arrive (the staging region) and copied once, straight
+into LMCache's buffer; a chunk that fails its check is a miss, counted and
+logged. Writes send the chunk's header and its payload as they lie (no
+encoded copy); the header is hashed once for all tiers.
 
 Object names come from :func:`lmcache_mooncake.keys.object_name` (full-width
 namespace digest and chunk key), built from validated key fields only.
@@ -14,52 +18,29 @@ namespace digest and chunk key), built from validated key fields only.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import threading
+from dataclasses import dataclass
 from typing import Any
 
-import torch
 from lmcache.utils import CacheEngineKey
-from lmcache.v1.memory_management import MemoryFormat, MemoryObj
-from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+from lmcache.v1.memory_management import MemoryObj
 
 from lmcache_mooncake import chunk_format, keys
-from lmcache_mooncake.stats import STATS
+from lmcache_mooncake.config import MooncakeConfig
 from lmcache_mooncake.store.client import NOT_FOUND, StoreClient, describe
-from lmcache_mooncake.tiers import WRITES
+from lmcache_mooncake.tiers.base import VerifiedTier
 
 logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "lmcm_mooncake"
-_PREFIX = f"remote_storage_plugin.{PLUGIN_NAME}"
-# Room for the safetensors header beside a full chunk's payload.
-_HEADER_ROOM = 64 * 1024
 
 
-def plugin_extra_config(addresses: dict[str, str], mc: Any) -> dict[str, Any]:
-    """The ``extra_config`` entries that make LMCache load this tier.
+@dataclass(frozen=True)
+class MooncakeTierSettings:
+    """The ``mooncake:`` section and the addresses it resolved to (see ``engine.store_addresses``)."""
 
-    ``addresses``: ``master_addr``, ``metadata_url`` and, for same-host shared
-    memory, ``client_addr`` and ``mode``; ``mc``: the ``MooncakeConfig``.
-    """
-    return {
-        f"{_PREFIX}.module_path": __name__,
-        f"{_PREFIX}.class_name": MooncakeTierConnector.__name__,
-        f"{_PREFIX}.master_addr": addresses["master_addr"],
-        f"{_PREFIX}.metadata_url": addresses["metadata_url"],
-        f"{_PREFIX}.client_addr": addresses.get("client_addr", ""),
-        f"{_PREFIX}.mode": addresses.get("mode", "tcp"),
-        f"{_PREFIX}.protocol": mc.protocol,
-        f"{_PREFIX}.rdma_devices": mc.rdma_devices,
-        f"{_PREFIX}.local_hostname": mc.local_hostname,
-        f"{_PREFIX}.local_buffer_size": int(mc.local_buffer_size),
-        f"{_PREFIX}.global_segment_size": int(mc.global_segment_size),
-        f"{_PREFIX}.timeout": float(mc.timeout),
-        f"{_PREFIX}.put_timeout": float(mc.put_timeout),
-        f"{_PREFIX}.replica_num": int(mc.replica_num),
-        "use_exists_sync": True,
-    }
+    config: MooncakeConfig
+    addresses: dict[str, str]
 
 
 def object_name(key: CacheEngineKey) -> str:
@@ -67,143 +48,105 @@ def object_name(key: CacheEngineKey) -> str:
     return keys.object_name(key.model_name, key.chunk_hash)
 
 
-class MooncakeTierConnector(RemoteConnector):
+class MooncakeTierConnector(VerifiedTier):
     """LMCache remote connector over a Mooncake Store (verified chunk objects)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, local_cpu_backend: Any, config: Any):
-        super().__init__(local_cpu_backend.config, local_cpu_backend.metadata)
-        extra = config.extra_config or {}
+    PLUGIN_NAME = PLUGIN_NAME
 
-        def opt(name: str) -> Any:
-            return extra[f"{_PREFIX}.{name}"]
-
-        self.loop = loop
-        self.local_cpu_backend = local_cpu_backend
-        self.timeout = float(opt("timeout"))
-        self.put_timeout = float(opt("put_timeout"))
+    def __init__(self, loop: Any, local_cpu_backend: Any, config: Any):
+        super().__init__(loop, local_cpu_backend, config)
+        s: MooncakeTierSettings = self.settings
+        mc, addr = s.config, s.addresses
+        self.timeout = float(mc.timeout)
+        self.put_timeout = float(mc.put_timeout)
         # A store that is down at start-up is not an error: calls are misses
         # until it answers (the client reconnects by itself).
         self.client = StoreClient.connect(
-            opt("master_addr"),
-            opt("metadata_url"),
-            protocol=opt("protocol"),
-            rdma_devices=opt("rdma_devices"),
-            local_buffer_bytes=int(opt("local_buffer_size")),
+            addr["master_addr"],
+            addr["metadata_url"],
+            protocol=mc.protocol,
+            rdma_devices=mc.rdma_devices,
+            local_buffer_bytes=int(mc.local_buffer_size),
             timeout_s=self.timeout,
-            mode=opt("mode"),
-            client_addr=opt("client_addr"),
-            global_segment_bytes=int(opt("global_segment_size")),
-            local_hostname=opt("local_hostname"),
-            replica_num=int(opt("replica_num")),
+            mode=addr.get("mode", "tcp"),
+            client_addr=addr.get("client_addr", ""),
+            global_segment_bytes=int(mc.global_segment_size),
+            local_hostname=mc.local_hostname,
+            replica_num=int(mc.replica_num),
             connect_timeout_s=max(self.timeout, 5.0),
             require=False,
         )
-        STATS.register("store_client_", self.client.stats)
-        # One receive buffer sized for a full chunk; partial chunks are smaller.
-        self._max_object = self.full_chunk_size_bytes + _HEADER_ROOM
-        self._recv = bytearray(self._max_object)
-        self._recv_lock = threading.Lock()
+        self.stats.register("store_client_", self.client.stats)
+        # The largest object: a full chunk's payload and its header.
+        self._max_object = self.full_chunk_size_bytes + chunk_format.HEADER_ROOM
         logger.info(
             "Mooncake tier: master %s (%s mode), timeout %.1f s, connected: %s",
-            opt("master_addr"), opt("mode"), self.timeout, self.client.healthy,
+            addr["master_addr"], addr.get("mode", "tcp"), self.timeout, self.client.healthy,
         )
 
     # -- lookups -----------------------------------------------------------
-    def batched_contains(self, keys: list[CacheEngineKey]) -> int:
+    def _contains_prefix(self, keys_: list[CacheEngineKey]) -> int:
         """Length of the prefix of ``keys`` the store holds (0 on any failure)."""
-        names = [object_name(k) for k in keys]
-        found = self.client.batch_exists(names)
+        found = self.client.batch_exists([object_name(k) for k in keys_])
         hits = 0
         for present in found:
             if not present:
                 break
             hits += 1
-        STATS.add("store_lookups")
+        self.stats.add("store_lookups")
         return hits
 
-    def support_batched_contains(self) -> bool:
-        return True
-
-    def exists_sync(self, key: CacheEngineKey) -> bool:
-        return self.batched_contains([key]) == 1
-
-    async def exists(self, key: CacheEngineKey) -> bool:
-        return self.exists_sync(key)
-
     # -- reads -------------------------------------------------------------
-    def _get_sync(self, key: CacheEngineKey) -> MemoryObj | None:
-        with self._recv_lock:  # one receive buffer, gets may come from several threads
-            return self._get_locked(key)
+    def _get_sync(self, keys_: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        names = [object_name(k) for k in keys_]
+        out: list[MemoryObj | None] = [None] * len(keys_)
 
-    def _get_locked(self, key: CacheEngineKey) -> MemoryObj | None:
-        name = object_name(key)
-        (n,) = self.client.batch_get_into([name], [memoryview(self._recv)])
-        if n < 0:
-            if n == NOT_FOUND:
-                STATS.add("store_misses")
-            else:
-                STATS.add("store_get_failures")
-                logger.warning("Mooncake tier: get %s failed: %s; recomputing", name, describe(n))
-            return None
-        try:
-            tensor = chunk_format.decode(memoryview(self._recv)[:n], key.to_string())
-        except chunk_format.ChunkVerificationError as e:
-            STATS.add("verify_failures")
-            logger.warning("Mooncake tier: chunk %s failed verification (%s); recomputing", name, e)
-            return None
-        memory_obj = self.local_cpu_backend.allocate([tensor.shape], [tensor.dtype], MemoryFormat.KV_2LTD)
-        if memory_obj is None:
-            logger.warning("Mooncake tier: no CPU memory to stage chunk %s; treating as a miss", name)
-            return None
-        memory_obj.tensor.copy_(tensor)
-        STATS.add("store_hits")
-        STATS.add("store_bytes_read", n)
-        return memory_obj
+        def take(i: int, data: memoryview) -> None:
+            # The object is in the client's staging region: check it there and
+            # copy its payload once, into LMCache's buffer.
+            try:
+                header = chunk_format.parse_header(data, keys_[i].to_string())
+            except chunk_format.ChunkVerificationError as e:
+                self._bad(names[i], e)
+                return
+            obj = self._allocate(header)
+            if obj is None:
+                return
+            try:
+                chunk_format.decode_into(data, keys_[i].to_string(), obj.tensor)
+            except chunk_format.ChunkVerificationError as e:
+                obj.ref_count_down()
+                self._bad(names[i], e)
+                return
+            out[i] = obj
+            self.stats.add("store_hits")
+            self.stats.add("store_bytes_read", len(data))
 
-    async def get(self, key: CacheEngineKey) -> MemoryObj | None:
-        return await self.loop.run_in_executor(None, self._get_sync, key)
+        codes = self.client.batch_get_visit(names, [self._max_object] * len(names), take)
+        for name, code in zip(names, codes, strict=True):
+            if code == NOT_FOUND:
+                self.stats.add("store_misses")
+            elif code < 0:
+                self.stats.add("store_get_failures")
+                logger.warning("Mooncake tier: get %s failed: %s; recomputing", name, describe(code))
+        return out
+
+    def _bad(self, name: str, e: Exception) -> None:
+        self.stats.add("verify_failures")
+        logger.warning("Mooncake tier: chunk %s failed verification (%s); recomputing", name, e)
 
     # -- writes ------------------------------------------------------------
-    def _put_sync(self, keys: list[CacheEngineKey], tensors: list[torch.Tensor]) -> None:
-        names = [object_name(k) for k in keys]
-        blobs = [chunk_format.encode(k.to_string(), t) for k, t in zip(keys, tensors, strict=True)]
-        codes = self.client.batch_put(names, blobs, timeout_s=self.put_timeout)
-        for name, blob, code in zip(names, blobs, codes, strict=True):
+    def _put_sync(self, keys_: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
+        names = [object_name(k) for k in keys_]
+        parts = [(self._header(k, m), m.tensor) for k, m in zip(keys_, memory_objs, strict=True)]
+        codes = self.client.batch_put(names, parts, timeout_s=self.put_timeout)
+        for name, (header, tensor), code in zip(names, parts, codes, strict=True):
             if code == 0:
-                STATS.add("store_puts")
-                STATS.add("store_bytes_written", len(blob))
+                self.stats.add("store_puts")
+                self.stats.add("store_bytes_written", len(header) + tensor.numel() * tensor.element_size())
             else:
-                STATS.add("store_put_failures")
+                self.stats.add("store_put_failures")
                 logger.info("Mooncake tier: put %s not stored: %s", name, describe(code))
-
-    # put/batched_put are plain functions returning the coroutine LMCache
-    # schedules, so the write counts as pending from the moment it is submitted.
-    def put(self, key: CacheEngineKey, memory_obj: MemoryObj):  # type: ignore[override]
-        return self.batched_put([key], [memory_obj])
-
-    def support_batched_put(self) -> bool:
-        return True
-
-    def batched_put(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]):  # type: ignore[override]
-        WRITES.begin(k.to_string() for k in keys)
-        return self._write(list(keys), list(memory_objs))
-
-    async def _write(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
-        try:
-            await self.loop.run_in_executor(None, self._put_sync, keys, [m.tensor for m in memory_objs])
-        finally:
-            # No ref_count_down here: LMCache balances the reference its
-            # serializer took (checked by tests/test_engine.py).
-            WRITES.end(k.to_string() for k in keys)
-
-    async def list(self) -> list[str]:
-        return []
 
     async def close(self) -> None:
         self.client.close()
-
-    def remove_sync(self, key: CacheEngineKey) -> bool:
-        return False
-
-    def support_ping(self) -> bool:
-        return False

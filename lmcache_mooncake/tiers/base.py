@@ -1,0 +1,247 @@
+"""The base of our verified tiers (disk, Mooncake store), and what one engine's tiers share.
+
+LMCache builds a remote plug-in itself, as ``cls(loop=, local_cpu_backend=,
+config=)``, so a tier cannot be handed objects by its caller. What the
+worker and an engine's tiers share lives in one :class:`EngineContext` per
+engine, found by the engine's ``lmcache_instance_id``: its counters, its
+write tracking, the typed settings of each tier, and the headers of chunks
+being written (each chunk is hashed once however many tiers it goes to).
+Two engines in one process (tests, warm-up) never mix their figures.
+
+:class:`VerifiedTier` is LMCache's ``RemoteConnector`` contract written once
+for tiers whose objects are verified chunks (:mod:`lmcache_mooncake.chunk_format`):
+
+- lookups: :meth:`batched_contains` returns the length of the prefix of keys
+  the tier holds (LMCache asks synchronously, ``use_exists_sync``);
+- reads: :meth:`batched_get` returns one LMCache ``MemoryObj`` per key (None
+  for a miss or a chunk that failed its check), the payload copied once,
+  straight into LMCache's buffer, and checked there;
+- writes: :meth:`batched_put` returns the coroutine LMCache schedules, and the
+  write counts as pending (:class:`WriteTracker`) from the moment it is
+  submitted until it ended, written or not.
+
+Subclasses implement ``_contains_prefix``, ``_get_sync`` and ``_put_sync``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+
+from lmcache_mooncake import chunk_format
+from lmcache_mooncake.stats import Stats
+from lmcache_mooncake.tiers.writes import WriteTracker
+
+logger = logging.getLogger(__name__)
+
+
+class HeaderCache:
+    """Chunk headers computed by the first tier that writes a chunk, reused by the others.
+
+    Keyed by the key and the buffer it was computed from (its address and
+    size), so a header is never reused for other bytes under the same key.
+    Bounded: the oldest entries go first.
+    """
+
+    def __init__(self, capacity: int = 4096):
+        self._lock = threading.Lock()
+        self._items: OrderedDict[tuple[str, int, int], bytes] = OrderedDict()
+        self._capacity = capacity
+        self.computed = 0
+
+    def header(self, key: str, tensor: torch.Tensor) -> bytes:
+        ident = (key, tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        with self._lock:
+            found = self._items.get(ident)
+            if found is not None:
+                self._items.move_to_end(ident)
+                return found
+        header = chunk_format.encode_header(key, tensor)
+        with self._lock:
+            self.computed += 1
+            self._items[ident] = header
+            while len(self._items) > self._capacity:
+                self._items.popitem(last=False)
+        return header
+
+    def forget(self, key: str, tensor: torch.Tensor) -> None:
+        with self._lock:
+            self._items.pop((key, tensor.data_ptr(), tensor.numel() * tensor.element_size()), None)
+
+
+class EngineContext:
+    """State one engine's worker and tiers share; see the module docstring."""
+
+    def __init__(self, instance_id: str):
+        self.instance_id = instance_id
+        self.stats = Stats()
+        self.writes = WriteTracker()
+        self.headers = HeaderCache()
+        #: Typed settings of each tier, by plug-in name, set by ``engine.build_engine``.
+        self.tier_settings: dict[str, Any] = {}
+        #: Names of the verified tiers that write each chunk (the last one drops its header).
+        self.writers: list[str] = []
+
+
+_CONTEXTS: dict[str, EngineContext] = {}
+_CONTEXTS_LOCK = threading.Lock()
+
+
+def engine_context(instance_id: str) -> EngineContext:
+    """The context of engine ``instance_id`` (made on first use)."""
+    with _CONTEXTS_LOCK:
+        ctx = _CONTEXTS.get(instance_id)
+        if ctx is None:
+            ctx = _CONTEXTS[instance_id] = EngineContext(instance_id)
+        return ctx
+
+
+def release_context(instance_id: str) -> None:
+    with _CONTEXTS_LOCK:
+        _CONTEXTS.pop(instance_id, None)
+
+
+class VerifiedTier(RemoteConnector):
+    """LMCache remote connector over verified chunk objects; see the module docstring."""
+
+    PLUGIN_NAME: ClassVar[str]
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, local_cpu_backend: Any, config: Any):
+        super().__init__(local_cpu_backend.config, local_cpu_backend.metadata)
+        self.loop = loop
+        self.local_cpu_backend = local_cpu_backend
+        self.ctx = engine_context(str(config.lmcache_instance_id))
+        try:
+            self.settings = self.ctx.tier_settings[self.PLUGIN_NAME]
+        except KeyError:
+            raise RuntimeError(
+                f"{type(self).__name__} is built by lmcache_mooncake.engine.build_engine, which gives it its "
+                "settings; it cannot be named in an LMCache configuration on its own"
+            ) from None
+        self.stats = self.ctx.stats
+
+    @classmethod
+    def plugin_extra_config(cls) -> dict[str, Any]:
+        """The ``extra_config`` entries that make LMCache load this tier."""
+        prefix = f"remote_storage_plugin.{cls.PLUGIN_NAME}"
+        return {
+            f"{prefix}.module_path": cls.__module__,
+            f"{prefix}.class_name": cls.__name__,
+            # LMCache asks remote tiers on its event loop unless told to ask
+            # synchronously; our lookups need no loop hop.
+            "use_exists_sync": True,
+        }
+
+    # -- for subclasses -----------------------------------------------------------
+    def _contains_prefix(self, keys: list[CacheEngineKey]) -> int:
+        raise NotImplementedError
+
+    def _get_sync(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        raise NotImplementedError
+
+    def _put_sync(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
+        raise NotImplementedError
+
+    def _allocate(self, header: chunk_format.ChunkHeader, busy_loop: bool = True) -> MemoryObj | None:
+        """An LMCache buffer for the chunk ``header`` describes, or None (no memory: a miss)."""
+        obj = self.local_cpu_backend.allocate(
+            [torch.Size(header.shape)], [header.dtype], MemoryFormat.KV_2LTD, busy_loop=busy_loop
+        )
+        if obj is None:
+            logger.warning("%s: no CPU memory to stage a chunk; treating it as a miss", self.PLUGIN_NAME)
+        return obj
+
+    def _header(self, key: CacheEngineKey, memory_obj: MemoryObj) -> bytes:
+        """The chunk's header, hashed once for all tiers that write it."""
+        return self.ctx.headers.header(key.to_string(), memory_obj.tensor)
+
+    def _done_with_header(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
+        if self.ctx.writers and self.ctx.writers[-1] == self.PLUGIN_NAME:
+            self.ctx.headers.forget(key.to_string(), memory_obj.tensor)
+
+    def _promote(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
+        """Keep a chunk this tier read and verified in the CPU tier, so a load that follows
+        finds it there instead of reading and checking it again."""
+        self.local_cpu_backend.batched_submit_put_task([key], [memory_obj])
+        memory_obj.ref_count_down()  # the CPU tier holds its own reference (or none, if off)
+
+    # -- RemoteConnector ---------------------------------------------------------
+    def support_batched_contains(self) -> bool:
+        return True
+
+    def batched_contains(self, keys: list[CacheEngineKey]) -> int:
+        return self._contains_prefix(list(keys))
+
+    def exists_sync(self, key: CacheEngineKey) -> bool:
+        return self._contains_prefix([key]) == 1
+
+    async def exists(self, key: CacheEngineKey) -> bool:
+        return self.exists_sync(key)
+
+    def support_batched_get(self) -> bool:
+        return True
+
+    async def batched_get(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:  # type: ignore[override]
+        # Off the event loop: reads and checks must not hold up lookups and writes.
+        return await self.loop.run_in_executor(None, self._get_sync, list(keys))
+
+    async def get(self, key: CacheEngineKey) -> MemoryObj | None:
+        (obj,) = await self.batched_get([key])
+        return obj
+
+    def support_batched_put(self) -> bool:
+        return True
+
+    def put(self, key: CacheEngineKey, memory_obj: MemoryObj):  # type: ignore[override]
+        return self.batched_put([key], [memory_obj])
+
+    # put/batched_put are plain functions returning the coroutine LMCache
+    # schedules, so the write counts as pending from the moment it is submitted.
+    def batched_put(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]):  # type: ignore[override]
+        keys, memory_objs = list(keys), list(memory_objs)
+        names = [k.to_string() for k in keys]
+        self.ctx.writes.begin(names)
+        return self._write(keys, memory_objs, names)
+
+    async def _write(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj], names: Iterable[str]) -> None:
+        try:
+            await self.loop.run_in_executor(None, self._put_sync, keys, memory_objs)
+        except Exception:
+            logger.exception("%s: writing %d chunks failed; they will be recomputed when needed",
+                             self.PLUGIN_NAME, len(keys))
+            self.stats.add(f"{self.PLUGIN_NAME}_write_errors")
+        finally:
+            # No ref_count_down here: LMCache balances the reference its
+            # serializer took (checked by tests/engine_checks.py), in a done
+            # callback of this coroutine's future. The write ends only after
+            # that callback, so "no write pending" means LMCache is done with
+            # the buffers too and the engine may close: the task's completion
+            # is queued on the loop after this call_soon, its callbacks run
+            # then, and the nested call_soon after them.
+            for key, obj in zip(keys, memory_objs, strict=True):
+                self._done_with_header(key, obj)
+            try:
+                self.loop.call_soon(self.loop.call_soon, self.ctx.writes.end, list(names))
+            except RuntimeError:  # the loop is closing: nothing will run after us
+                self.ctx.writes.end(names)
+
+    async def list(self) -> list[str]:
+        return []
+
+    async def close(self) -> None:
+        return None
+
+    def remove_sync(self, key: CacheEngineKey) -> bool:
+        return False
+
+    def support_ping(self) -> bool:
+        return False
