@@ -17,7 +17,10 @@ lookups across tiers.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -243,9 +246,31 @@ def pending_writes(engine: LMCacheEngine) -> int:
     return context(engine).writes.count
 
 
+async def _barrier() -> None:
+    return None
+
+
+def write_barrier(engine: LMCacheEngine) -> concurrent.futures.Future:
+    """A future that is done once every write submitted before this call is tracked.
+
+    LMCache hands a store's chunks to slower tiers on its event loop (its
+    instrumented connector wraps ours in a coroutine), so a tier's write may
+    begin, and be tracked, only after ``engine.store`` returned. A no-op
+    scheduled on the same loop after them runs after each of them has begun
+    (the loop runs what was scheduled first, first): once it is done, "no
+    write of these keys pending" means they are written.
+    """
+    return asyncio.run_coroutine_threadsafe(_barrier(), engine.storage_manager.loop)
+
+
 def drain(engine: LMCacheEngine, timeout: float) -> bool:
-    """Wait until every write to slower tiers has finished; False on timeout."""
-    return context(engine).writes.wait(timeout)
+    """Wait until every write to slower tiers submitted so far has finished; False on timeout."""
+    deadline = time.monotonic() + timeout
+    try:
+        write_barrier(engine).result(timeout)
+    except (concurrent.futures.TimeoutError, RuntimeError):
+        return False
+    return context(engine).writes.wait(max(deadline - time.monotonic(), 0.0))
 
 
 def close_engine(engine: LMCacheEngine, instance_id: str, timeout: float = 60.0) -> None:

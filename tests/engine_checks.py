@@ -75,7 +75,7 @@ def check_damaged_file_stops_the_lookup_prefix(tmp_path, kv):
     assert engine.drain(writer, 30)
     engine.close_engine(writer, wname)
     files = sorted(tmp_path.glob("*/*.lmcm"), key=lambda p: p.stat().st_size)
-    assert len(files) == 3
+    assert len(files) == 3, [p.name for p in files]
     files[0].write_bytes(files[0].read_bytes()[:-10])  # the short tail chunk, truncated
 
     reader, rname = make_engine(tmp_path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -18,7 +19,7 @@ from lmcache_mooncake import layouts
 from lmcache_mooncake.config import CacheConfig
 from lmcache_mooncake.connector.lookup import LookupServer
 from lmcache_mooncake.connector.metadata import LoadOp, SaveOp, StepMetadata
-from lmcache_mooncake.engine import build_engine, close_engine, context, request_configs
+from lmcache_mooncake.engine import build_engine, close_engine, context, request_configs, write_barrier
 from lmcache_mooncake.keys import KeyNamespace, namespace_for
 from lmcache_mooncake.stats import Stats
 
@@ -56,7 +57,7 @@ class WorkerSide:
         # Producer: keys of each request's saved chunks, until they are written
         # everywhere; and the requests vLLM has finished and waits on.
         self.producer = producer
-        self._saving: dict[str, list[str]] = {}
+        self._saving: dict[str, tuple[list[str], Future | None]] = {}
         self._finished: set[str] = set()
         self.stats_path = run_dir / f"stats-rank{tp_rank}.json"
         # The engine's own counters (its tiers count into them too).
@@ -151,10 +152,10 @@ class WorkerSide:
         rc = request_configs(op.cache_salt, op.lora)
         if self.producer:
             # Registered before the store so a failed store still reports the request.
-            self._saving[op.req_id] = [
+            self._saving[op.req_id] = ([
                 key.to_string()
                 for _, _, key in self.engine.token_database.process_tokens(tokens, mask=mask, request_configs=rc)
-            ]
+            ], None)
         try:
             self.engine.store(
                 tokens,
@@ -169,6 +170,11 @@ class WorkerSide:
             logger.exception("request %s: saving KV failed; it will not be cached", op.req_id)
             self.stats.add("save_failures")
             return
+        finally:
+            if self.producer:
+                # The tiers' writes begin on LMCache's loop; once this barrier
+                # has run, every one of them is tracked (engine.write_barrier).
+                self._saving[op.req_id] = (self._saving[op.req_id][0], write_barrier(self.engine))
         self.stats.add("saved_tokens", len(tokens) - op.skip)
         self.stats.add("save_us", int((time.perf_counter() - t0) * 1e6))
 
@@ -177,7 +183,12 @@ class WorkerSide:
         if not self.producer:
             return None
         self._finished.update(r for r in finished_req_ids if r in self._saving)
-        done = {r for r in self._finished if not context(self.instance_id).writes.any_in_flight(self._saving[r])}
+        writes = context(self.instance_id).writes
+        done = set()
+        for r in self._finished:
+            keys, barrier = self._saving[r]
+            if barrier is not None and barrier.done() and not writes.any_in_flight(keys):
+                done.add(r)
         for r in done:
             self._finished.discard(r)
             self._saving.pop(r, None)

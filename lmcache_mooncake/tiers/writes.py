@@ -2,12 +2,13 @@
 
 LMCache's remote backend tracks single puts but not batched ones, so a
 process cannot tell from LMCache when the chunks it handed to a slower tier
-are written. Our tiers report each write from the moment LMCache submits it
-(:meth:`WriteTracker.begin`, called synchronously inside ``engine.store``) to
-its end (:meth:`WriteTracker.end`), per key. That answers "are all writes
-done?" (:func:`lmcache_mooncake.engine.drain`) and "are this request's chunks
-written?" (a producer holds a request's blocks until they are). Each engine
-owns one tracker (:class:`lmcache_mooncake.tiers.base.EngineContext`).
+are written. Our tiers report each write from the moment LMCache hands it to
+them (:meth:`WriteTracker.begin`, on LMCache's event loop, shortly after
+``engine.store`` returned: :func:`lmcache_mooncake.engine.write_barrier` waits
+for that) to its end (:meth:`WriteTracker.end`), per key. That answers "are
+all writes done?" (:func:`lmcache_mooncake.engine.drain`) and "are this
+request's chunks written?" (a producer holds a request's blocks until they
+are). Each engine owns one tracker (:class:`lmcache_mooncake.tiers.base.EngineContext`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,395 @@
+"""Cached time to first token, ours through each tier against recompute, vLLM's own
+prefix-cache hit (the floor) and the peers, all in one run on one store.
+
+Every configuration is a real vLLM OpenAI server (``python -m
+vllm.entrypoints.openai.api_server``) on loopback, with ``--dtype float32``
+and ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` for all (so every run gets both cores).
+A request is ``/v1/completions`` with the prompt's token ids and
+``max_tokens=1``: its wall time is the TTFT, and ``cached_tokens`` is what
+vLLM reports as served from a cache.
+
+Prompts: three random families of 2,049, 4,097 and 8,193 tokens (one past a
+multiple of vLLM's 128-token CPU block); each family's first 2,048 / 4,096 /
+8,192 tokens are the block-aligned prompt. A writer computes each family once
+(its TTFT is the recompute figure, and against the plain server's the cost of
+saving); fresh readers then measure the one-past prompts in one process and
+the aligned ones in another, so no measured prompt finds what an earlier one
+in its process loaded.
+
+Rows (``--peers`` chooses the peers; all by default):
+
+- ``plain``: vLLM, no connector, prefix caching on. First request per family:
+  recompute; repeats: vLLM's own prefix-cache hit, nothing copied (the floor).
+- ``ours, CPU tier, same process``: the writer (prefix caching off) asked again.
+- ``ours, disk tier`` / ``ours, store (shm)`` / ``ours, store (tcp)``: fresh readers.
+- ``vLLM MooncakeStoreConnector``: vLLM's own, standalone-store mode against
+  the same store (TCP), prefix caching on (with it off it never loads).
+- ``vLLM ExampleConnector``: vLLM's file-based example connector (it needs
+  ``--max-num-batched-tokens`` above the prompt, else it crashes on chunked prefill).
+
+    .venv/bin/python benchmarks/ttft.py [--quick] [--peers mooncake,example] [--json PATH]
+
+``--quick`` uses a small model and shorter prompts (a smoke run in minutes).
+Prints a table, writes JSON and a PNG under ``benchmarks/results/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+PY = sys.executable
+
+
+@dataclass
+class Measure:
+    config: str
+    prompt_tokens: int
+    ttft_s: float
+    cached_tokens: int
+    note: str = ""
+
+
+@dataclass
+class Run:
+    model: str
+    lengths: list[int]
+    rows: list[Measure] = field(default_factory=list)
+    memcpy_gbps: float = 0.0
+    load_stats: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+# -- servers ---------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One vLLM OpenAI server on loopback, in its own process group."""
+
+    def __init__(self, name: str, model: str, work: Path, kv: dict[str, Any] | None, prefix_caching: bool,
+                 max_len: int, env: dict[str, str] | None = None, extra: list[str] | None = None):
+        self.name, self.model = name, model
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.dir = work / name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for d in ("cache", "inductor", "tmp"):
+            (self.dir / d).mkdir(exist_ok=True)
+        cmd = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(self.port),
+               "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_len),
+               "--enable-prompt-tokens-details", "--seed", "0"]
+        cmd.append("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
+        if kv is not None:
+            cmd += ["--kv-transfer-config", json.dumps(kv)]
+        cmd += extra or []
+        penv = dict(os.environ)
+        penv.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_CPU_KVCACHE_SPACE="4",
+                    VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CACHE_ROOT=str(self.dir / "cache"),
+                    TORCHINDUCTOR_CACHE_DIR=str(self.dir / "inductor"), TMPDIR=str(self.dir / "tmp"))
+        penv.update(env or {})
+        self.log = self.dir / "server.log"
+        with open(self.log, "w") as f:
+            self.proc = subprocess.Popen(cmd, env=penv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 600
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{name} exited; see {self.log}:\n{self.tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{name} not ready in 600 s; see {self.log}")
+            time.sleep(0.5)
+        self.client = httpx.Client(base_url=self.url, timeout=900)
+
+    def tail(self, n: int = 30) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def ttft(self, tokens: list[int]) -> tuple[float, int]:
+        body = {"model": self.model, "prompt": tokens, "max_tokens": 1, "temperature": 0.0}
+        t0 = time.perf_counter()
+        r = self.client.post("/v1/completions", json=body)
+        elapsed = time.perf_counter() - t0
+        r.raise_for_status()
+        details = (r.json().get("usage") or {}).get("prompt_tokens_details") or {}
+        return elapsed, int(details.get("cached_tokens") or 0)
+
+    def stop(self, grace_s: float = 60) -> None:
+        """SIGTERM (the connector drains its writes), then SIGKILL the group."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+# -- configurations -------------------------------------------------------------------------
+
+
+def ours(config_file: Path, role: str = "kv_both", **overrides: Any) -> dict[str, Any]:
+    return {"kv_connector": "LMCacheMooncakeConnector", "kv_connector_module_path": "lmcache_mooncake.connector",
+            "kv_role": role, "kv_connector_extra_config": {"config_file": str(config_file), **overrides}}
+
+
+def write_config(path: Path, *, disk: Path | None, store: dict[str, str] | None, cpu_gib: float = 2.0) -> Path:
+    lines = ["chunk_size: 256", "local_cpu: true", f"max_local_cpu_size: {cpu_gib}",
+             f"local_disk: {json.dumps(str(disk)) if disk else 'null'}", "max_local_disk_size: 8",
+             "save_unfull_chunk: true"]
+    if store is not None:
+        lines.append("mooncake:")
+        lines += [f"  {k}: {json.dumps(v)}" for k, v in store.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def memcpy_gbps(nbytes: int) -> float:
+    import torch
+
+    src = torch.randn(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = 1e9
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def read_worker_stats(run_dir: Path) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for p in run_dir.glob("stats-*.json"):
+        for k, v in json.loads(p.read_text()).items():
+            total[k] = total.get(k, 0) + int(v)
+    return total
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small model, short prompts: a smoke run")
+    ap.add_argument("--peers", default="mooncake,example",
+                    help="comma-separated peers to run: mooncake, example (default both); '' for none")
+    ap.add_argument("--json", type=Path, default=RESULTS / "ttft.json")
+    ap.add_argument("--work", type=Path, default=None, help="work folder (default: a temp folder)")
+    args = ap.parse_args(argv)
+    peers = {p for p in args.peers.split(",") if p}
+
+    from lmcache_mooncake.models import ModelSpec, build_model
+    from lmcache_mooncake.store.launcher import StoreSpec, start_store, stop_store
+
+    if args.quick:
+        model = str(build_model(ModelSpec(arch="qwen2", size="small", seed=0)))
+        bases = [512, 1024]
+    else:
+        model = str(build_model(ModelSpec(arch="qwen2", size="0.5b", seed=0)))
+        bases = [2048, 4096, 8192]
+    rng = random.Random(0)
+    families = {b: [rng.randrange(100, 20000) for _ in range(b + 1)] for b in bases}
+    max_len = max(bases) + 64
+    work = args.work or Path(tempfile.mkdtemp(prefix="lmcm-bench-ttft-"))
+    work.mkdir(parents=True, exist_ok=True)
+    run = Run(model=model, lengths=[n for b in bases for n in (b, b + 1)])
+    kv_bytes_per_token = 0
+    print(f"model {model}\nwork folder {work}", flush=True)
+
+    def record(config: str, tokens: list[int], server: Server, note: str = "") -> None:
+        t, cached = server.ttft(tokens)
+        run.rows.append(Measure(config, len(tokens), t, cached, note))
+        print(f"  {config:40s} {len(tokens):6d} tokens  TTFT {t * 1000:9.1f} ms  cached {cached}", flush=True)
+
+    store_dir = work / "store"
+    st = start_store(StoreSpec(state_dir=store_dir, memory_bytes=(6 if not args.quick else 2) << 30))
+    servers: list[Server] = []
+    try:
+        # 1. plain vLLM: recompute, then its own prefix-cache hit.
+        s = Server("plain", model, work, None, True, max_len)
+        servers.append(s)
+        for b, fam in families.items():
+            record("recompute (plain vLLM)", fam, s)
+            record("vLLM prefix cache, same process", fam, s)
+            record("vLLM prefix cache, same process", fam[:b], s)
+        s.stop()
+
+        # 2. our writer: every tier at once; prefix caching off so repeats come from our CPU tier.
+        disk = work / "disk"
+        shm_store = {"master_address": "auto", "metadata_server": "auto", "store_dir": str(store_dir)}
+        tcp_store = {"master_address": st.master_addr, "metadata_server": st.metadata_url, "mode": "tcp"}
+        cfg_all = write_config(work / "all.yaml", disk=disk, store=shm_store)
+        s = Server("ours-writer", model, work, ours(cfg_all, run_dir=str(work / "ours-writer" / "run")), False,
+                   max_len)
+        servers.append(s)
+        for b, fam in families.items():
+            record("ours, writing (recompute + save)", fam, s)
+            record("ours, CPU tier, same process", fam, s)
+            record("ours, CPU tier, same process", fam[:b], s)
+        s.stop()
+        kv_bytes_per_token = _bytes_per_token(read_worker_stats(work / "ours-writer" / "run"))
+
+        # 3. fresh readers, one tier each; one process for the one-past prompts, one for the aligned.
+        readers = {
+            "ours, disk tier, fresh process": write_config(work / "disk.yaml", disk=disk, store=None),
+            "ours, store (shm), fresh process": write_config(work / "shm.yaml", disk=None, store=shm_store),
+            "ours, store (tcp), fresh process": write_config(work / "tcp.yaml", disk=None, store=tcp_store),
+        }
+        for label, cfg in readers.items():
+            for which in ("past", "aligned"):
+                name = f"{label.split(',')[1].strip().replace(' ', '-').replace('(', '').replace(')', '')}-{which}"
+                rdir = work / name / "run"
+                s = Server(name, model, work, ours(cfg, run_dir=str(rdir)), False, max_len)
+                servers.append(s)
+                for b, fam in families.items():
+                    record(label, fam if which == "past" else fam[:b], s)
+                s.stop()
+                run.load_stats[name] = read_worker_stats(rdir)
+
+        # 4. peers.
+        if "mooncake" in peers:
+            mc_json = work / "mooncake-peer.json"
+            mc_json.write_text(json.dumps({
+                "metadata_server": st.metadata_url, "master_server_address": st.master_addr,
+                "protocol": "tcp", "mode": "standalone-store", "global_segment_size": 0,
+                "local_buffer_size": "1GB"}))
+            env = {"MOONCAKE_CONFIG_PATH": str(mc_json), "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+            kv = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
+            s = Server("mooncake-writer", model, work, kv, True, max_len, env=env)
+            servers.append(s)
+            for fam in families.values():
+                record("vLLM MooncakeStoreConnector, writing", fam, s)
+            time.sleep(2)
+            s.stop()
+            for which in ("past", "aligned"):
+                s = Server(f"mooncake-{which}", model, work, kv, True, max_len, env=env)
+                servers.append(s)
+                for b, fam in families.items():
+                    record("vLLM MooncakeStoreConnector, fresh process", fam if which == "past" else fam[:b], s)
+                s.stop()
+        if "example" in peers:
+            kv = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                  "kv_connector_extra_config": {"shared_storage_path": str(work / "example-store")}}
+            extra = ["--max-num-batched-tokens", str(max_len)]
+            s = Server("example-writer", model, work, kv, True, max_len, extra=extra)
+            servers.append(s)
+            for fam in families.values():
+                record("vLLM ExampleConnector, writing", fam, s)
+            s.stop()
+            for which in ("past", "aligned"):
+                s = Server(f"example-{which}", model, work, kv, True, max_len, extra=extra)
+                servers.append(s)
+                for b, fam in families.items():
+                    record("vLLM ExampleConnector, fresh process", fam if which == "past" else fam[:b], s)
+                s.stop()
+    finally:
+        for s in servers:
+            if s.proc.poll() is None:
+                s.stop(grace_s=10)
+        stop_store(store_dir)
+
+    nbytes = kv_bytes_per_token * max(run.lengths) if kv_bytes_per_token else 200 << 20
+    run.memcpy_gbps = memcpy_gbps(nbytes)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(asdict(run) | {"kv_bytes_per_token": kv_bytes_per_token}, indent=2))
+    print_table(run, kv_bytes_per_token)
+    plot(run, args.json.with_suffix(".png"))
+    print(f"\nwrote {args.json} and {args.json.with_suffix('.png')}")
+    return 0
+
+
+def _bytes_per_token(stats: dict[str, int]) -> int:
+    tokens = stats.get("saved_tokens", 0)
+    written = stats.get("store_bytes_written", 0) or stats.get("disk_bytes_written", 0)
+    return int(written / tokens) if tokens else 0
+
+
+def print_table(run: Run, kv_bytes_per_token: int) -> None:
+    configs = list(dict.fromkeys(m.config for m in run.rows))
+    lengths = sorted(set(run.lengths))
+    floor = {m.prompt_tokens: m.ttft_s for m in run.rows if m.config.startswith("vLLM prefix cache")}
+    peer = {m.prompt_tokens: m.ttft_s for m in run.rows if m.config == "vLLM MooncakeStoreConnector, fresh process"}
+    print("\nTTFT in ms (cached tokens); x floor = / vLLM's own prefix-cache hit; x MSC = / vLLM "
+          "MooncakeStoreConnector, fresh process")
+    print(f"{'configuration':42s}" + "".join(f"{n:>22d}" for n in lengths))
+    for c in configs:
+        cells = []
+        for n in lengths:
+            m = next((m for m in run.rows if m.config == c and m.prompt_tokens == n), None)
+            if m is None:
+                cells.append(f"{'-':>22s}")
+                continue
+            extra = ""
+            if n in floor and not c.startswith(("vLLM prefix", "recompute")) and "writing" not in c:
+                extra = f" {m.ttft_s / floor[n]:.1f}xF"
+            cells.append(f"{m.ttft_s * 1000:9.0f} ({m.cached_tokens:5d}){extra:>7s}")
+        print(f"{c:42s}" + "".join(cells))
+    for c in configs:
+        if c.startswith("ours") and "fresh" in c:
+            for n in lengths:
+                m = next((m for m in run.rows if m.config == c and m.prompt_tokens == n), None)
+                if m and n in peer:
+                    print(f"  {c} at {n}: {m.ttft_s / peer[n]:.2f} x MooncakeStoreConnector")
+    print(f"\nplain memory copy in this run: {run.memcpy_gbps:.2f} GB/s; KV {kv_bytes_per_token} bytes/token")
+    for name, st in run.load_stats.items():
+        us, toks = st.get("load_us", 0), st.get("loaded_tokens", 0)
+        if us and toks and kv_bytes_per_token:
+            gbps = toks * kv_bytes_per_token / (us / 1e6) / 1e9
+            print(f"  load into paged KV, {name}: {gbps:.2f} GB/s = {gbps / run.memcpy_gbps:.2f} of memcpy "
+                  f"(worker time in start_load_kv, {toks} tokens)")
+
+
+def plot(run: Run, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    configs = [c for c in dict.fromkeys(m.config for m in run.rows) if "writing" not in c]
+    lengths = sorted(set(run.lengths))
+    fig, ax = plt.subplots(figsize=(11, 5.5))
+    width = 0.8 / max(len(configs), 1)
+    for i, c in enumerate(configs):
+        ys = [next((m.ttft_s for m in run.rows if m.config == c and m.prompt_tokens == n), 0) for n in lengths]
+        ax.bar([x + i * width for x in range(len(lengths))], ys, width, label=c)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(lengths))], [str(n) for n in lengths])
+    ax.set_yscale("log")
+    ax.set_ylabel("time to first token (s, log scale)")
+    ax.set_xlabel("prompt tokens")
+    ax.set_title("Cached TTFT by configuration (one run, 2 CPU cores)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
