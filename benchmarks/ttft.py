@@ -105,7 +105,7 @@ class Server:
             cmd += ["--kv-transfer-config", json.dumps(kv)]
         cmd += extra or []
         penv = dict(os.environ)
-        penv.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_CPU_KVCACHE_SPACE="4",
+        penv.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_CPU_KVCACHE_SPACE="1",
                     VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CACHE_ROOT=str(self.dir / "cache"),
                     TORCHINDUCTOR_CACHE_DIR=str(self.dir / "inductor"), TMPDIR=str(self.dir / "tmp"))
         penv.update(env or {})
@@ -124,6 +124,9 @@ class Server:
                 raise RuntimeError(f"{name} not ready in 600 s; see {self.log}")
             time.sleep(0.5)
         self.client = httpx.Client(base_url=self.url, timeout=900)
+        # One throwaway request first: the first forward pass of a fresh vLLM pays
+        # one-off set-up costs that are no part of a load or a recompute.
+        self.ttft([11, 12, 13, 14, 15, 16, 17, 18] * 4)
 
     def tail(self, n: int = 30) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
@@ -133,7 +136,8 @@ class Server:
         t0 = time.perf_counter()
         r = self.client.post("/v1/completions", json=body)
         elapsed = time.perf_counter() - t0
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise RuntimeError(f"{self.name}: {r.status_code} {r.text[:500]}")
         details = (r.json().get("usage") or {}).get("prompt_tokens_details") or {}
         return elapsed, int(details.get("cached_tokens") or 0)
 
@@ -158,7 +162,7 @@ def ours(config_file: Path, role: str = "kv_both", **overrides: Any) -> dict[str
             "kv_role": role, "kv_connector_extra_config": {"config_file": str(config_file), **overrides}}
 
 
-def write_config(path: Path, *, disk: Path | None, store: dict[str, str] | None, cpu_gib: float = 2.0) -> Path:
+def write_config(path: Path, *, disk: Path | None, store: dict[str, str] | None, cpu_gib: float = 1.0) -> Path:
     lines = ["chunk_size: 256", "local_cpu: true", f"max_local_cpu_size: {cpu_gib}",
              f"local_disk: {json.dumps(str(disk)) if disk else 'null'}", "max_local_disk_size: 8",
              "save_unfull_chunk: true"]
@@ -213,8 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model = str(build_model(ModelSpec(arch="qwen2", size="0.5b", seed=0)))
         bases = [2048, 4096, 8192]
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     rng = random.Random(0)
-    families = {b: [rng.randrange(100, 20000) for _ in range(b + 1)] for b in bases}
+    families = {b: [rng.randrange(10, vocab - 10) for _ in range(b + 1)] for b in bases}
     max_len = max(bases) + 64
     work = args.work or Path(tempfile.mkdtemp(prefix="lmcm-bench-ttft-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -228,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {config:40s} {len(tokens):6d} tokens  TTFT {t * 1000:9.1f} ms  cached {cached}", flush=True)
 
     store_dir = work / "store"
-    st = start_store(StoreSpec(state_dir=store_dir, memory_bytes=(6 if not args.quick else 2) << 30))
+    st = start_store(StoreSpec(state_dir=store_dir, memory_bytes=2 << 30))
     servers: list[Server] = []
     try:
         # 1. plain vLLM: recompute, then its own prefix-cache hit.
@@ -272,7 +277,25 @@ def main(argv: list[str] | None = None) -> int:
                 s.stop()
                 run.load_stats[name] = read_worker_stats(rdir)
 
-        # 4. peers.
+        # 4. a short request sent while a long prompt loads, with loads synchronous and asynchronous.
+        longest = families[max(bases)]
+        short = [rng.randrange(10, vocab - 10) for _ in range(64)]
+        for mode in ("sync", "async"):
+            name = f"concurrent-{mode}"
+            cfg = write_config(work / f"{name}.yaml", disk=disk, store=None)
+            s = Server(name, model, work, ours(cfg, run_dir=str(work / name / "run"),
+                                               async_loading=(mode == "async")), False, max_len)
+            servers.append(s)
+            alone, _ = s.ttft(short)  # the short prompt alone (it is computed: nothing cached)
+            run.rows.append(Measure(f"short request alone ({mode} loads)", len(short), alone, 0))
+            lat = _short_during_load(s, longest, [rng.randrange(10, vocab - 10) for _ in range(64)])
+            run.rows.append(Measure(f"short request while {len(longest)} tokens load ({mode} loads)",
+                                    64, lat[0], 0, note=f"long prompt took {lat[1] * 1000:.0f} ms"))
+            print(f"  short request: alone {alone * 1000:.0f} ms, during a {len(longest)}-token load "
+                  f"{lat[0] * 1000:.0f} ms ({mode} loads; the load took {lat[1] * 1000:.0f} ms)", flush=True)
+            s.stop()
+
+        # 5. peers.
         if "mooncake" in peers:
             mc_json = work / "mooncake-peer.json"
             mc_json.write_text(json.dumps({
@@ -322,6 +345,28 @@ def main(argv: list[str] | None = None) -> int:
     plot(run, args.json.with_suffix(".png"))
     print(f"\nwrote {args.json} and {args.json.with_suffix('.png')}")
     return 0
+
+
+def _short_during_load(server: Server, long_prompt: list[int], short: list[int]) -> tuple[float, float]:
+    """Send ``long_prompt`` (cached: it loads), then ``short`` 20 ms later; their latencies."""
+    import threading
+
+    out: dict[str, float] = {}
+
+    def long_req() -> None:
+        out["long"] = server.ttft(long_prompt)[0]
+
+    t = threading.Thread(target=long_req)
+    t.start()
+    time.sleep(0.02)
+    with httpx.Client(base_url=server.url, timeout=900) as c:
+        t0 = time.perf_counter()
+        r = c.post("/v1/completions", json={"model": server.model, "prompt": short, "max_tokens": 1,
+                                            "temperature": 0.0})
+        short_s = time.perf_counter() - t0
+    r.raise_for_status()
+    t.join()
+    return short_s, out["long"]
 
 
 def _bytes_per_token(stats: dict[str, int]) -> int:

@@ -136,6 +136,9 @@ class CacheConfig:
     #: Consumer: seconds to wait for chunks a producer promised (in the
     #: request's kv_transfer_params) before computing what is missing.
     load_wait_timeout: float = 5.0
+    #: Load cached KV in the background (vLLM's asynchronous loading): other
+    #: requests keep running while a long prompt's chunks arrive.
+    async_loading: bool = True
     #: The shared remote tier; absent or null: CPU and disk tiers only.
     mooncake: MooncakeConfig | None = None
 

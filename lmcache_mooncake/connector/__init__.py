@@ -129,15 +129,16 @@ class LMCacheMooncakeConnector(KVConnectorBase_V1):
         self._worker.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Worker: load this step's planned chunks. Loads are synchronous, so all
-        are in paged KV when this returns (vLLM calls it before the forward)."""
+        """Worker: start this step's planned loads. Asynchronous ones run on a
+        loader thread while the step goes on (their requests are not in it);
+        synchronous ones are in paged KV when this returns."""
         assert self._worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, StepMetadata)
         self._worker.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Worker: nothing to wait for; start_load_kv already loaded every layer."""
+        """Worker: nothing to wait for: a request runs only once its load is complete."""
         return
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
@@ -153,9 +154,11 @@ class LMCacheMooncakeConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Worker: a producer's finished requests whose chunks are now written
-        (vLLM frees their blocks then); loads are synchronous, so none here."""
+        (vLLM frees their blocks then), and requests whose asynchronous load
+        ended (vLLM schedules them then; failed blocks follow in
+        get_block_ids_with_load_errors of the same step)."""
         assert self._worker is not None
-        return self._worker.get_finished(finished_req_ids), None
+        return self._worker.get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Worker: blocks whose planned load failed this step; vLLM recomputes them."""
@@ -172,7 +175,10 @@ class LMCacheMooncakeConnector(KVConnectorBase_V1):
     # Scheduler side
     # ==============================
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Scheduler: prompt tokens beyond ``num_computed_tokens`` the tiers can supply."""
+        """Scheduler: prompt tokens beyond ``num_computed_tokens`` the tiers can supply, and
+        whether they load asynchronously (``async_loading``, default on). Looks them up
+        (a lookup is a question to the worker, bounded by ``lookup_timeout``);
+        ``None`` while a consumer waits for chunks a producer promised."""
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 

@@ -16,9 +16,11 @@ class LoadOp:
     """Load chunks covering tokens ``[start, end)`` of ``token_ids`` into paged KV.
 
     ``token_ids`` runs to the end of the last chunk that holds ``end - 1`` (a
-    chunk's key covers all its tokens); ``slots`` has one entry per token id.
-    Tokens before ``start`` are already in vLLM's KV and are not written;
-    tokens from ``end`` on are computed by vLLM and not written either.
+    chunk's key covers all its tokens); ``slots`` has one entry per token of
+    ``[0, end)``. Tokens before ``start`` are already in vLLM's KV and are not
+    written; tokens from ``end`` on are computed by vLLM and not written either.
+    ``asynchronous``: vLLM holds the request until the worker reports the load
+    finished (``get_finished``); otherwise the load completes in ``start_load_kv``.
     """
 
     req_id: str
@@ -29,6 +31,7 @@ class LoadOp:
     block_ids: list[int]
     cache_salt: str | None = None
     lora: str | None = None
+    asynchronous: bool = False
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -54,6 +54,9 @@ class WorkerSide:
         self.namespace: KeyNamespace | None = None
         self.lookup_server: LookupServer | None = None
         self._failed_blocks: set[int] = set()
+        # Asynchronous loads in flight, by request; one loader thread.
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="lmcm-load")
+        self._loading: dict[str, Future] = {}
         # Producer: keys of each request's saved chunks, until they are written
         # everywhere; and the requests vLLM has finished and waits on.
         self.producer = producer
@@ -93,10 +96,17 @@ class WorkerSide:
 
     # -- per step ----------------------------------------------------------
     def start_load_kv(self, meta: StepMetadata) -> None:
+        """Start this step's loads: asynchronous ones on the loader thread (vLLM
+        holds their requests until :meth:`get_finished` reports them), the
+        others here, done when this returns."""
         for op in meta.loads:
-            self._load(op)
+            if op.asynchronous:
+                self._loading[op.req_id] = self._loader.submit(self._load, op)
+            else:
+                self._failed_blocks.update(self._load(op))
 
-    def _load(self, op: LoadOp) -> None:
+    def _load(self, op: LoadOp) -> set[int]:
+        """Load one request's planned chunks; returns the blocks that were not loaded."""
         assert self.engine is not None
         tokens = torch.tensor(op.token_ids, dtype=torch.long)
         slots = torch.tensor(op.slots, dtype=torch.long)
@@ -122,12 +132,12 @@ class WorkerSide:
         except Exception:
             logger.exception("request %s: loading cached KV failed; vLLM will recompute", op.req_id)
             loaded = aligned
+        bad: list[int] = []
         if loaded < op.end:
             # Every block holding a token we promised but did not load.
             first_block = max(loaded, op.start) // self.block_size
             last_block = (op.end - 1) // self.block_size
             bad = op.block_ids[first_block : last_block + 1]
-            self._failed_blocks.update(bad)
             self.stats.add("load_failures")
             self.stats.add("load_failed_tokens", op.end - max(loaded, op.start))
             logger.warning(
@@ -136,6 +146,8 @@ class WorkerSide:
             )
         self.stats.add("loaded_tokens", max(min(loaded, op.end) - op.start, 0))
         self.stats.add("load_us", int((time.perf_counter() - t0) * 1e6))
+        self.stats.add("loads_async" if op.asynchronous else "loads_sync")
+        return set(bad)
 
     def save(self, meta: StepMetadata) -> None:
         for op in meta.saves:
@@ -178,8 +190,19 @@ class WorkerSide:
         self.stats.add("saved_tokens", len(tokens) - op.skip)
         self.stats.add("save_us", int((time.perf_counter() - t0) * 1e6))
 
-    def get_finished(self, finished_req_ids: set[str]) -> set[str] | None:
-        """Producer: finished requests whose chunks are now written to every tier."""
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """``(saved, loaded)``: a producer's finished requests whose chunks are now
+        written to every tier, and requests whose asynchronous load has ended
+        (its failed blocks are reported by :meth:`take_failed_blocks` in the same step)."""
+        loaded = {r for r, f in self._loading.items() if f.done()}
+        for r in loaded:
+            try:
+                self._failed_blocks.update(self._loading.pop(r).result())
+            except Exception:  # _load catches its own; this is a bug, not a miss
+                logger.exception("request %s: the background load failed", r)
+        return self._saved(finished_req_ids), (loaded or None)
+
+    def _saved(self, finished_req_ids: set[str]) -> set[str] | None:
         if not self.producer:
             return None
         self._finished.update(r for r in finished_req_ids if r in self._saving)
@@ -201,6 +224,7 @@ class WorkerSide:
         return failed
 
     def shutdown(self) -> None:
+        self._loader.shutdown(wait=True)
         if self.lookup_server is not None:
             self.lookup_server.close()
             self.lookup_server = None
