@@ -36,6 +36,7 @@ import torch
 from lmcache_mooncake.layouts import (
     CpuAttnLayout,
     GpuPagedLayout,
+    PagedKV,
     PagedLayout,
     gather_chunk,
     scatter_chunk,
@@ -173,9 +174,11 @@ def main() -> None:
             gather_chunk(layout, caches, slots, out)
             if not torch.equal(out.view(torch.int16), src.view(torch.int16)):
                 raise SystemExit(f"{label}/{pattern}: gather after scatter did not round-trip")
+            # As the connector copies: the paged tensors validated once (PagedKV), many chunks.
+            paged = PagedKV(layout, caches)
             for op, fn in (
-                ("gather", partial(gather_chunk, layout, caches, slots, out)),
-                ("scatter", partial(scatter_chunk, layout, caches, slots, src)),
+                ("gather", partial(paged.gather, slots, out)),
+                ("scatter", partial(paged.scatter, slots, src)),
             ):
                 pairs = timed_pairs(fn, memcpy, args.reps, device)
                 times = [p[0] for p in pairs]

@@ -112,7 +112,16 @@ class PagedKVCopier(GPUConnectorInterface):
         self.layout = layout
         self.num_layers = num_layers
         self.hidden = num_kv_heads * head_size
-        self.kvcaches: list[torch.Tensor] | None = None
+        # The paged tensors, validated once (vLLM passes the same list every step).
+        self._paged: layouts.PagedKV | None = None
+
+    def _paged_kv(self, kvcaches: list[torch.Tensor]) -> layouts.PagedKV:
+        paged = self._paged
+        if paged is None or len(paged.kv_caches) != len(kvcaches) or any(
+            a is not b for a, b in zip(paged.kv_caches, kvcaches, strict=True)
+        ):
+            paged = self._paged = layouts.PagedKV(self.layout, kvcaches)
+        return paged
 
     def get_shape(self, num_tokens: int) -> torch.Size:
         return torch.Size([2, self.num_layers, num_tokens, self.hidden])
@@ -124,20 +133,19 @@ class PagedKVCopier(GPUConnectorInterface):
         self.batched_to_gpu([memory_obj], [start], [end], **kwargs)
 
     def batched_from_gpu(self, memory_objs, starts, ends, **kwargs: Any) -> None:  # type: ignore[override]
-        kvcaches, slots = kwargs["kvcaches"], kwargs["slot_mapping"]
+        paged, slots = self._paged_kv(kwargs["kvcaches"]), kwargs["slot_mapping"]
         for obj, start, end in zip(memory_objs, starts, ends, strict=True):
-            layouts.gather_chunk(self.layout, kvcaches, slots[start:end], obj.tensor)
+            paged.gather(slots[start:end], obj.tensor)
 
     def batched_to_gpu(self, memory_objs, starts, ends, **kwargs: Any) -> None:  # type: ignore[override]
-        kvcaches, slots = kwargs["kvcaches"], kwargs["slot_mapping"]
+        paged, slots = self._paged_kv(kwargs["kvcaches"]), kwargs["slot_mapping"]
         skip = int(kwargs.get("skip_leading_tokens", 0))
         stop = int(kwargs.get("load_end", len(slots)))
         for obj, start, end in zip(memory_objs, starts, ends, strict=True):
             lo, hi = max(start, skip), min(end, stop)
             if hi <= lo:
                 continue
-            src = obj.tensor[:, :, lo - start : hi - start]
-            layouts.scatter_chunk(self.layout, kvcaches, slots[lo:hi], src)
+            paged.scatter(slots[lo:hi], obj.tensor[:, :, lo - start : hi - start])
 
 
 def build_engine(

@@ -99,6 +99,7 @@ __all__ = [
     "CpuAttnLayout",
     "GpuPagedLayout",
     "KVShape",
+    "PagedKV",
     "PagedLayout",
     "gather_chunk",
     "infer_kv_shape",
@@ -531,24 +532,7 @@ def gather_chunk(
     ``kv_caches``: the ``L`` per-layer paged tensors, in layer order, all of
     one geometry. Same slot and buffer rules as :meth:`PagedLayout.gather`.
     """
-    shape = infer_kv_shape(layout, kv_caches)
-    first = kv_caches[0]
-    slots = _check_slots(slots, _num_slots(layout, first), first.device)
-    _check_buffer("out", out, shape.chunk_shape(slots.numel()), first)
-    runs, rest = _block_runs(slots, shape.block_size)
-    heads, dim = shape.num_kv_heads, shape.head_size
-    for layer, kv in enumerate(kv_caches):
-        k, v = layout._kv_views(kv) if runs else (None, None)
-        for dst_block, src_tok, n in runs:
-            tokens = slice(src_tok, src_tok + n * shape.block_size)
-            out[0, layer, tokens].view(n, shape.block_size, heads, dim).copy_(k[dst_block : dst_block + n])
-            out[1, layer, tokens].view(n, shape.block_size, heads, dim).copy_(v[dst_block : dst_block + n])
-    if rest is not None:
-        sub = out[:, :, rest]
-        for layer, kv, plan in _plans(layout, kv_caches, slots[rest], shape.block_size):
-            _gather_side(kv, plan.k, sub[0, layer])
-            _gather_side(kv, plan.v, sub[1, layer])
-        out[:, :, rest] = sub
+    PagedKV(layout, kv_caches).gather(slots, out)
 
 
 def scatter_chunk(
@@ -559,23 +543,72 @@ def scatter_chunk(
     Nothing else in any layer's storage changes. ``src`` may have any strides
     (e.g. a token range sliced out of a bigger chunk).
     """
-    shape = infer_kv_shape(layout, kv_caches)
-    first = kv_caches[0]
-    slots = _check_slots(slots, _num_slots(layout, first), first.device)
-    _check_buffer("src", src, shape.chunk_shape(slots.numel()), first)
-    runs, rest = _block_runs(slots, shape.block_size)
-    heads, dim = shape.num_kv_heads, shape.head_size
-    for layer, kv in enumerate(kv_caches):
-        k, v = layout._kv_views(kv) if runs else (None, None)
-        for dst_block, src_tok, n in runs:
-            tokens = slice(src_tok, src_tok + n * shape.block_size)
-            k[dst_block : dst_block + n].copy_(src[0, layer, tokens].view(n, shape.block_size, heads, dim))
-            v[dst_block : dst_block + n].copy_(src[1, layer, tokens].view(n, shape.block_size, heads, dim))
-    if rest is not None:
-        sub = src[:, :, rest]
-        for layer, kv, plan in _plans(layout, kv_caches, slots[rest], shape.block_size):
-            _scatter_side(kv, plan.k, sub[0, layer])
-            _scatter_side(kv, plan.v, sub[1, layer])
+    PagedKV(layout, kv_caches).scatter(slots, src)
+
+
+class PagedKV:
+    """One model's paged KV tensors in one layout, validated once, for many chunk copies.
+
+    Building it checks every layer (:func:`infer_kv_shape`) and makes the K and
+    V views of each; :meth:`gather` and :meth:`scatter` then only check their
+    slots and buffer, so a load of many chunks pays the checks once. Whole
+    blocks of a chunk move with one strided copy per run of consecutive
+    blocks, layer and K/V (a transpose where the layout stores K column-major),
+    the rest (a partial block at either end) token by token.
+    """
+
+    def __init__(self, layout: PagedLayout, kv_caches: Sequence[torch.Tensor]):
+        self.layout = layout
+        self.kv_caches = list(kv_caches)
+        self.shape = infer_kv_shape(layout, self.kv_caches)
+        first = self.kv_caches[0]
+        self.num_slots = _num_slots(layout, first)
+        self.device = first.device
+        self._views = [layout._kv_views(kv) for kv in self.kv_caches]
+
+    def gather(self, slots: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy the tokens at ``slots`` from every layer into ``out`` ``[2, L, T, H * D]``."""
+        slots = _check_slots(slots, self.num_slots, self.device)
+        _check_buffer("out", out, self.shape.chunk_shape(slots.numel()), self.kv_caches[0])
+        runs, rest = _block_runs(slots, self.shape.block_size)
+        n_tok, heads, dim = self.shape.block_size, self.shape.num_kv_heads, self.shape.head_size
+        for layer, (k, v) in enumerate(self._views):
+            for block, tok, n in runs:
+                tokens = slice(tok, tok + n * n_tok)
+                out[0, layer, tokens].view(n, n_tok, heads, dim).copy_(k[block : block + n])
+                out[1, layer, tokens].view(n, n_tok, heads, dim).copy_(v[block : block + n])
+        if rest is None:
+            return
+        if not runs:
+            self._gather_tokens(slots, out)
+            return
+        sub = torch.empty((2, self.shape.num_layers, rest.numel(), heads * dim), dtype=out.dtype, device=out.device)
+        self._gather_tokens(slots[rest], sub)
+        out[:, :, rest] = sub
+
+    def scatter(self, slots: torch.Tensor, src: torch.Tensor) -> None:
+        """Write ``src`` ``[2, L, T, H * D]`` into every layer at ``slots``."""
+        slots = _check_slots(slots, self.num_slots, self.device)
+        _check_buffer("src", src, self.shape.chunk_shape(slots.numel()), self.kv_caches[0])
+        runs, rest = _block_runs(slots, self.shape.block_size)
+        n_tok, heads, dim = self.shape.block_size, self.shape.num_kv_heads, self.shape.head_size
+        for layer, (k, v) in enumerate(self._views):
+            for block, tok, n in runs:
+                tokens = slice(tok, tok + n * n_tok)
+                k[block : block + n].copy_(src[0, layer, tokens].view(n, n_tok, heads, dim))
+                v[block : block + n].copy_(src[1, layer, tokens].view(n, n_tok, heads, dim))
+        if rest is None:
+            return
+        if runs:
+            slots, src = slots[rest], src[:, :, rest]
+        for layer, kv, plan in _plans(self.layout, self.kv_caches, slots, self.shape.block_size):
+            _scatter_side(kv, plan.k, src[0, layer])
+            _scatter_side(kv, plan.v, src[1, layer])
+
+    def _gather_tokens(self, slots: torch.Tensor, out: torch.Tensor) -> None:
+        for layer, kv, plan in _plans(self.layout, self.kv_caches, slots, self.shape.block_size):
+            _gather_side(kv, plan.k, out[0, layer])
+            _gather_side(kv, plan.v, out[1, layer])
 
 
 def _block_runs(slots: torch.Tensor, block_size: int) -> tuple[list[tuple[int, int, int]], torch.Tensor | None]:
