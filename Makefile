@@ -1,5 +1,5 @@
 # The README's two commands: `make demo` and `make test`. Each sets itself up.
-.PHONY: setup test demo demo-single lint clean
+.PHONY: setup test demo demo-single bench lint clean
 
 setup:
 	@bash scripts/setup.sh
@@ -15,6 +15,14 @@ demo: setup
 # One vLLM instance run twice (disk tier only): the core connector on its own.
 demo-single: setup
 	.venv/bin/lmcache-mooncake demo
+
+# The benchmarks behind docs/performance.md (about 30 min on 2 cores); results
+# and plots go to benchmarks/results/.
+bench: setup
+	.venv/bin/python benchmarks/layout_copy.py
+	.venv/bin/python benchmarks/ttft.py --profile
+	.venv/bin/python benchmarks/store_throughput.py
+	.venv/bin/python benchmarks/warmup_throughput.py
 
 lint: setup
 	.venv/bin/ruff check lmcache_mooncake tests benchmarks

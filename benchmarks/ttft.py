@@ -72,6 +72,7 @@ class Run:
     rows: list[Measure] = field(default_factory=list)
     memcpy_gbps: float = 0.0
     load_stats: dict[str, dict[str, int]] = field(default_factory=dict)
+    profile: dict[str, float] = field(default_factory=dict)
 
 
 # -- servers ---------------------------------------------------------------------------
@@ -154,6 +155,58 @@ class Server:
         self.proc.wait()
 
 
+# Where the worker's time goes during a load: the first category a sampled stack matches.
+PROFILE_CATEGORIES = [
+    ("scatter into paged KV (layouts)", ("scatter", "_scatter_side", "batched_to_gpu")),
+    ("read + verify chunks (tiers, chunk_format)", ("_read_verified", "readinto", "verify", "decode_into",
+                                                   "xxh3", "batch_get_visit", "_get_sync")),
+    ("lookup (keys, tiers' contains)", ("lookup", "_contains", "batched_contains", "chunk_keys")),
+    ("LMCache retrieve (other)", ("retrieve", "cache_engine")),
+    ("vLLM model forward", ("forward", "execute_model", "attention", "cpu_attn")),
+]
+
+
+class Profile:
+    """py-spy on a server's vLLM worker process for the duration of a ``with`` block."""
+
+    def __init__(self, server: Server, out: Path):
+        import psutil
+
+        self.out = out
+        procs = psutil.Process(server.proc.pid).children(recursive=True)
+        worker = next((p for p in procs if "Worker" in " ".join(p.cmdline()) or "Worker" in p.name()), None)
+        if worker is None:
+            raise RuntimeError(f"no vLLM worker process under {server.proc.pid}")
+        self.pid = worker.pid
+
+    def __enter__(self) -> Profile:
+        spy = Path(sys.executable).with_name("py-spy")
+        self.proc = subprocess.Popen([str(spy), "record", "--pid", str(self.pid), "--rate", "200", "--format", "raw",
+                                      "--output", str(self.out), "--nonblocking"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.0)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        time.sleep(0.3)
+        self.proc.send_signal(signal.SIGINT)
+        self.proc.wait(30)
+
+    def summary(self) -> dict[str, float]:
+        """Seconds of samples per category (200 Hz), active (non-idle) stacks only."""
+        totals: dict[str, float] = {}
+        if not self.out.exists():
+            return totals
+        for line in self.out.read_text().splitlines():
+            stack, _, count = line.rpartition(" ")
+            if not count.isdigit() or any(w in stack for w in ("wait (threading", "select (selectors", "_poll",
+                                                                 "recv_multipart", "sleep")):
+                continue
+            cat = next((name for name, words in PROFILE_CATEGORIES if any(w in stack for w in words)), "other")
+            totals[cat] = totals.get(cat, 0.0) + int(count) / 200
+        return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
 # -- configurations -------------------------------------------------------------------------
 
 
@@ -205,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated peers to run: mooncake, example (default both); '' for none")
     ap.add_argument("--json", type=Path, default=RESULTS / "ttft.json")
     ap.add_argument("--work", type=Path, default=None, help="work folder (default: a temp folder)")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile the vLLM worker with py-spy during the longest cached load from the disk tier")
     args = ap.parse_args(argv)
     peers = {p for p in args.peers.split(",") if p}
 
@@ -273,7 +328,13 @@ def main(argv: list[str] | None = None) -> int:
                 s = Server(name, model, work, ours(cfg, run_dir=str(rdir)), False, max_len)
                 servers.append(s)
                 for b, fam in families.items():
-                    record(label, fam if which == "past" else fam[:b], s)
+                    prompt = fam if which == "past" else fam[:b]
+                    if args.profile and b == max(bases) and which == "past" and "disk" in label:
+                        with Profile(s, work / "profile-disk-load.txt") as prof:
+                            record(label, prompt, s)
+                        run.profile = prof.summary()
+                    else:
+                        record(label, prompt, s)
                 s.stop()
                 run.load_stats[name] = read_worker_stats(rdir)
 
@@ -402,6 +463,10 @@ def print_table(run: Run, kv_bytes_per_token: int) -> None:
                 if m and n in peer:
                     print(f"  {c} at {n}: {m.ttft_s / peer[n]:.2f} x MooncakeStoreConnector")
     print(f"\nplain memory copy in this run: {run.memcpy_gbps:.2f} GB/s; KV {kv_bytes_per_token} bytes/token")
+    if run.profile:
+        print("profile of the worker during the longest cached load from the disk tier (py-spy, 200 Hz, s):")
+        for cat, secs in run.profile.items():
+            print(f"  {cat:45s} {secs:6.3f}")
     for name, st in run.load_stats.items():
         us, toks = st.get("load_us", 0), st.get("loaded_tokens", 0)
         if us and toks and kv_bytes_per_token:

@@ -36,6 +36,7 @@ from lmcache.v1.token_database import TokenDatabase
 from lmcache_mooncake import layouts
 from lmcache_mooncake.config import CacheConfig, MooncakeConfig
 from lmcache_mooncake.keys import KeyNamespace, chunk_keys
+from lmcache_mooncake.store.client import StoreEndpoint
 from lmcache_mooncake.tiers import disk
 from lmcache_mooncake.tiers.base import EngineContext, engine_context, release_context
 
@@ -174,7 +175,7 @@ def build_engine(
 
         plugins.append(mooncake.PLUGIN_NAME)
         ctx.tier_settings[mooncake.PLUGIN_NAME] = mooncake.MooncakeTierSettings(
-            cfg.mooncake, store_addresses(cfg.mooncake)
+            cfg.mooncake, store_endpoint(cfg.mooncake)
         )
         extra.update(mooncake.MooncakeTierConnector.plugin_extra_config())
     ctx.writers = list(plugins)
@@ -232,6 +233,12 @@ def store_addresses(mc: MooncakeConfig) -> dict[str, str]:
         "client_addr": state.client_addr,
         "mode": "tcp" if mc.mode == "tcp" or mc.master_address != "auto" else "shm",
     }
+
+
+def store_endpoint(mc: MooncakeConfig) -> StoreEndpoint:
+    """:func:`store_addresses` as the typed endpoint the store client takes."""
+    a = store_addresses(mc)
+    return StoreEndpoint(a["master_addr"], a["metadata_url"], a.get("mode", "tcp"), a.get("client_addr", ""))
 
 
 def _no_broadcast(tensor: torch.Tensor, src: int) -> None:

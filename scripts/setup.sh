@@ -45,6 +45,8 @@ echo "setup: installing vLLM (CPU build) and torch; first run takes a few minute
 
 "${PIP[@]}" "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 "${PIP[@]}" "pytest==8.3.4" "hypothesis==6.122.3" "ruff==0.8.4" "pytest-timeout==2.3.1"
+# make bench: plots for docs/performance.md and a profiler for the vLLM worker.
+"${PIP[@]}" "matplotlib==3.11.2" "py-spy==0.4.3"
 "${PIP[@]}" --no-deps -e .
 
 check || { echo "setup: imports still fail after install; see the output above" >&2; exit 1; }

@@ -67,6 +67,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -185,6 +186,17 @@ def _local_ip_towards(host: str) -> str:
             return s.getsockname()[0]
         except OSError:
             return "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class StoreEndpoint:
+    """Where a client attaches: the master and metadata server (``tcp`` mode), or the
+    storage process of this host (``shm`` mode, ``client_addr``)."""
+
+    master_addr: str
+    metadata_url: str
+    mode: str = "tcp"
+    client_addr: str = ""
 
 
 # --------------------------------------------------------------------------
@@ -467,6 +479,24 @@ class StoreClient:
                 "Is it running? Check with: lmcache-mooncake store status"
             )
         return self
+
+    @classmethod
+    def from_config(cls, mc: Any, endpoint: StoreEndpoint, **overrides: Any) -> StoreClient:
+        """:meth:`connect` with the settings of a ``mooncake:`` section (a
+        :class:`~lmcache_mooncake.config.MooncakeConfig`) at ``endpoint``.
+
+        ``overrides``: any :meth:`connect` / constructor argument, e.g.
+        ``require=False`` for a serving process, ``local_buffer_bytes`` for a
+        tool that moves little data.
+        """
+        args: dict[str, Any] = dict(
+            protocol=mc.protocol, rdma_devices=mc.rdma_devices, local_buffer_bytes=int(mc.local_buffer_size),
+            timeout_s=float(mc.timeout), mode=endpoint.mode, client_addr=endpoint.client_addr,
+            global_segment_bytes=int(mc.global_segment_size), local_hostname=mc.local_hostname,
+            replica_num=int(mc.replica_num), connect_timeout_s=max(float(mc.timeout), 5.0),
+        )
+        args.update(overrides)
+        return cls.connect(endpoint.master_addr, endpoint.metadata_url, **args)
 
     @classmethod
     def from_state(cls, state_dir: Path | str | None = None, mode: str = "tcp", **kwargs: Any) -> StoreClient:

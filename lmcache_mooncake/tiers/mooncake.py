@@ -27,7 +27,7 @@ from lmcache.v1.memory_management import MemoryObj
 
 from lmcache_mooncake import chunk_format, keys
 from lmcache_mooncake.config import MooncakeConfig
-from lmcache_mooncake.store.client import NOT_FOUND, StoreClient, describe
+from lmcache_mooncake.store.client import NOT_FOUND, StoreClient, StoreEndpoint, describe
 from lmcache_mooncake.tiers.base import VerifiedTier
 
 logger = logging.getLogger(__name__)
@@ -37,10 +37,10 @@ PLUGIN_NAME = "lmcm_mooncake"
 
 @dataclass(frozen=True)
 class MooncakeTierSettings:
-    """The ``mooncake:`` section and the addresses it resolved to (see ``engine.store_addresses``)."""
+    """The ``mooncake:`` section and where it resolved to (see ``engine.store_endpoint``)."""
 
     config: MooncakeConfig
-    addresses: dict[str, str]
+    endpoint: StoreEndpoint
 
 
 def object_name(key: CacheEngineKey) -> str:
@@ -56,32 +56,18 @@ class MooncakeTierConnector(VerifiedTier):
     def __init__(self, loop: Any, local_cpu_backend: Any, config: Any):
         super().__init__(loop, local_cpu_backend, config)
         s: MooncakeTierSettings = self.settings
-        mc, addr = s.config, s.addresses
+        mc, endpoint = s.config, s.endpoint
         self.timeout = float(mc.timeout)
         self.put_timeout = float(mc.put_timeout)
         # A store that is down at start-up is not an error: calls are misses
         # until it answers (the client reconnects by itself).
-        self.client = StoreClient.connect(
-            addr["master_addr"],
-            addr["metadata_url"],
-            protocol=mc.protocol,
-            rdma_devices=mc.rdma_devices,
-            local_buffer_bytes=int(mc.local_buffer_size),
-            timeout_s=self.timeout,
-            mode=addr.get("mode", "tcp"),
-            client_addr=addr.get("client_addr", ""),
-            global_segment_bytes=int(mc.global_segment_size),
-            local_hostname=mc.local_hostname,
-            replica_num=int(mc.replica_num),
-            connect_timeout_s=max(self.timeout, 5.0),
-            require=False,
-        )
+        self.client = StoreClient.from_config(mc, endpoint, require=False)
         self.stats.register("store_client_", self.client.stats)
         # The largest object: a full chunk's payload and its header.
         self._max_object = self.full_chunk_size_bytes + chunk_format.HEADER_ROOM
         logger.info(
             "Mooncake tier: master %s (%s mode), timeout %.1f s, connected: %s",
-            addr["master_addr"], addr.get("mode", "tcp"), self.timeout, self.client.healthy,
+            endpoint.master_addr, endpoint.mode, self.timeout, self.client.healthy,
         )
 
     # -- lookups -----------------------------------------------------------
