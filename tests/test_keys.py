@@ -53,3 +53,32 @@ def test_namespace_salt_and_lora_separate_keys():
     # The same salt gives the same keys; an empty salt is not "no salt".
     assert chunk_keys(NS, TOKENS, "tenant-a") == chunk_keys(NS, TOKENS, "tenant-a")
     assert chunk_keys(NS, TOKENS, "")[0] != chunk_keys(NS, TOKENS)[0]
+
+
+def test_names_use_the_full_width_key_and_namespace():
+    """Two chunk keys that agree in their first 64 bits are different objects and files."""
+    from lmcache_mooncake.keys import ChunkKey, file_name, object_name
+
+    a = ChunkKey(bytes(8) + b"\x01" * 24, 0, 256)
+    b = ChunkKey(bytes(8) + b"\x02" * 24, 0, 256)
+    assert a.digest[:8] == b.digest[:8]
+    assert object_name(NS, a) != object_name(NS, b) and file_name(NS, a) != file_name(NS, b)
+    assert object_name(NS, a) == f"lmcm/{NS.digest().hex()}/{a.digest.hex()}"
+    # LMCache's key (its chunk_hash is our key as an int) names the same object, and its
+    # string (what a chunk header must hold) differs between the two as well.
+    import torch
+    from lmcache.utils import CacheEngineKey
+
+    ka, kb = (CacheEngineKey(NS.hex(), 1, 0, k.as_int, torch.float32) for k in (a, b))
+    assert object_name(ka.model_name, ka.chunk_hash) == object_name(NS, a)
+    assert ka.to_string() != kb.to_string()
+
+
+def test_names_refuse_what_is_not_a_key():
+    import pytest
+
+    from lmcache_mooncake.keys import chunk_name
+
+    for ns, key in (("../etc", bytes(32)), (NS.hex()[:16], bytes(32)), (NS, b"short"), (NS, -1), (NS, 2**256)):
+        with pytest.raises(ValueError):
+            chunk_name(ns, key)
