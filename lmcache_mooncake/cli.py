@@ -138,7 +138,7 @@ def _print_status(st: dict) -> None:
 
 
 def _make_model(argv: list[str]) -> int:
-    from lmcache_mooncake.models import main_make_model
+    from lmcache_mooncake.testing.models import main_make_model
 
     return main_make_model(argv)
 

@@ -10,25 +10,15 @@ the time to first token, and whether the greedy output matched run 1.
 from __future__ import annotations
 
 import argparse
-import random
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from lmcache_mooncake.models import ModelSpec, build_model
-from lmcache_mooncake.offline import RunSpec, run_instance
-
-
-def demo_prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
-    """Deterministic token-id prompts; the last one shares the first one's prefix."""
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(16, vocab_size) for _ in range(n)] for n in lengths]
-    if len(prompts) >= 2:
-        shared = prompts[0][: lengths[0] * 3 // 4]
-        prompts.append(shared + [rng.randrange(16, vocab_size) for _ in range(300)])
-    return prompts
+from lmcache_mooncake.testing.models import ModelSpec, build_model
+from lmcache_mooncake.testing.offline import RunSpec, run_instance
+from lmcache_mooncake.testing.prompts import demo_prompts
 
 
 def main_demo(argv: list[str] | None = None) -> int:

@@ -17,17 +17,22 @@ from pathlib import Path
 ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 
 
+def connector_config(kv_role: str, extra_config: dict) -> dict:
+    """vLLM's ``kv_transfer_config`` for our connector in ``kv_role`` (kv_producer, kv_consumer, kv_both)."""
+    return {
+        "kv_connector": "LMCacheMooncakeConnector",
+        "kv_connector_module_path": "lmcache_mooncake.connector",
+        "kv_role": kv_role,
+        "kv_connector_extra_config": extra_config,
+    }
+
+
 def kv_transfer_config(role: str, config_file: str | None, overrides: dict | None = None) -> dict:
     """The ``--kv-transfer-config`` dictionary for ``role`` (prefill, decode or both)."""
     extra: dict = dict(overrides or {})
     if config_file:
         extra["config_file"] = config_file
-    return {
-        "kv_connector": "LMCacheMooncakeConnector",
-        "kv_connector_module_path": "lmcache_mooncake.connector",
-        "kv_role": ROLES[role],
-        "kv_connector_extra_config": extra,
-    }
+    return connector_config(ROLES[role], extra)
 
 
 def default_config_file(role: str) -> str | None:

@@ -23,7 +23,7 @@ What it does, in order:
    so a warm-up that was interrupted or is run again only writes what is
    missing (a second run of the same inputs writes nothing and says so).
 3. **Starts one vLLM producer** (``kv_role: kv_producer``, ``max_tokens=1``) in
-   a child process (:class:`lmcache_mooncake.offline.Instance`) and sends it
+   a child process (:class:`lmcache_mooncake.testing.offline.Instance`) and sends it
    the remaining inputs, ``batch_size`` at a time. The producer holds each
    request until its chunks are written to every tier.
 4. **Verifies durability**: after the producer has exited, every expected
@@ -919,8 +919,8 @@ def _produce(summary: WarmupSummary, pending: list[WarmupInput], model: str, con
     """Run ``pending`` through one vLLM producer, then check every chunk is in the store."""
     from tqdm import tqdm
 
-    from lmcache_mooncake.offline import Instance, RunSpec
     from lmcache_mooncake.stats import read_stats
+    from lmcache_mooncake.testing.offline import Instance, RunSpec
 
     assert client is not None
     run_dir = work / "producer-run"

@@ -18,12 +18,13 @@ from servers import Server
 
 from lmcache_mooncake import keys
 from lmcache_mooncake.keys import KeyNamespace
-from lmcache_mooncake.models import ModelSpec, build_model
-from lmcache_mooncake.offline import Instance, RunSpec, vllm_env
+from lmcache_mooncake.procs import free_port
 from lmcache_mooncake.serve import vllm_command
 from lmcache_mooncake.stats import read_stats
 from lmcache_mooncake.store.client import StoreClient
-from lmcache_mooncake.store.launcher import StoreSpec, free_port, start_store, stop_store
+from lmcache_mooncake.store.launcher import StoreSpec, start_store, stop_store
+from lmcache_mooncake.testing.models import ModelSpec, build_model
+from lmcache_mooncake.testing.offline import Instance, RunSpec, vllm_env
 from lmcache_mooncake.warmup import main_warmup, warmup
 
 pytestmark = pytest.mark.e2e

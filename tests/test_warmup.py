@@ -12,9 +12,9 @@ import pytest
 
 from lmcache_mooncake.config import load_config
 from lmcache_mooncake.keys import KeyNamespace, chunk_keys
-from lmcache_mooncake.models import ModelSpec, build_model
 from lmcache_mooncake.store.client import StoreClient
 from lmcache_mooncake.store.launcher import StoreSpec, start_store, stop_store
+from lmcache_mooncake.testing.models import ModelSpec, build_model
 from lmcache_mooncake.warmup import (
     BadInputError,
     WarmupError,

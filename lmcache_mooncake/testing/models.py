@@ -19,7 +19,6 @@ the same spec all end up returning the same complete folder.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import math
 import os
@@ -29,11 +28,11 @@ import struct
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from lmcache_mooncake.procs import file_lock
 
 __all__ = [
     "ARCHS",
@@ -185,7 +184,7 @@ def build_model(spec: ModelSpec, cache_dir: Path | None = None, force: bool = Fa
         return target  # fast path: no lock, no writes
 
     cache_dir.mkdir(parents=True, exist_ok=True)
-    with _locked(cache_dir / f".{name}.lock"):
+    with file_lock(cache_dir / f".{name}.lock"):
         if not force and _is_complete(target, spec):
             return target  # another process built it while we waited
         _remove_leftovers(cache_dir, name)
@@ -210,18 +209,6 @@ def _is_complete(folder: Path, spec: ModelSpec) -> bool:
         return json.loads((folder / MARKER).read_text()) == _marker_payload(spec)
     except (OSError, ValueError):
         return False
-
-
-@contextmanager
-def _locked(lock_path: Path) -> Iterator[None]:
-    # The lock file is never deleted: unlinking it would let a third process
-    # lock a fresh inode while a second still holds the old one.
-    with open(lock_path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _remove_leftovers(cache_dir: Path, name: str) -> None:
