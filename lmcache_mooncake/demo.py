@@ -15,15 +15,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from lmcache_mooncake.testing.models import ModelSpec, build_model
 from lmcache_mooncake.testing.offline import RunSpec, run_instance
 from lmcache_mooncake.testing.prompts import demo_prompts
 
 
-def main_demo(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="lmcache-mooncake demo",
+def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
+    """Add ``demo`` to the command line's subparsers."""
+    p = subparsers.add_parser(
+        "demo",
+        help=help,
         description="Run one vLLM instance (kv_both, configs/both.yaml keys) twice on the same prompts "
         "and print prompt tokens, cached tokens and time to first token for each run.",
     )
@@ -34,7 +37,12 @@ def main_demo(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", default="600,1500,2600", help="prompt lengths in tokens, comma-separated")
     p.add_argument("--work-dir", default=None, help="folder for the disk tier and logs (default: a new temp folder)")
     p.add_argument("--keep", action="store_true", help="keep the work folder (disk tier, vLLM logs)")
-    args = p.parse_args(argv)
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Two runs of one vLLM instance, then the table."""
 
     model = args.model
     if model is None:

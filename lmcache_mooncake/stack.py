@@ -25,6 +25,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -76,9 +77,11 @@ class Stack:
             self.started_store = False
 
 
-def main_up(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="lmcache-mooncake up",
+def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
+    """Add ``up`` to the command line's subparsers."""
+    p = subparsers.add_parser(
+        "up",
+        help=help,
         description="Start the Mooncake store, one prefill and one decode vLLM and the proxy on this "
         "host; print the proxy's URL; stop everything on Ctrl-C or SIGTERM.",
     )
@@ -93,9 +96,14 @@ def main_up(argv: list[str] | None = None) -> int:
     p.add_argument("--startup-timeout", type=float, default=600, help="seconds to wait for each server")
     p.add_argument("--demo", action="store_true", help="send demo prompts through the proxy, print a table, stop")
     p.add_argument("--size", default="small", choices=["tiny", "small", "0.5b"], help="generated model size for --demo")
-    args = p.parse_args(argv)
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the stack, wait for every part, then serve (or run the demo) until stopped."""
     if args.model is None and not args.demo:
-        p.error("--model is required (or use --demo)")
+        args.parser.error("--model is required (or use --demo)")
 
     from lmcache_mooncake.config import parse_size
     from lmcache_mooncake.store.launcher import StoreSpec, default_state_dir, start_store, store_status

@@ -427,15 +427,11 @@ def _safetensors_param_count(path: Path) -> int:
     return sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
 
 
-def main_make_model(argv: list[str] | None = None) -> int:
-    """``lmcache-mooncake make-model``: build (or reuse) a model folder.
-
-    Prints the folder path as the last line of stdout and a one-line summary on
-    stderr; returns 0. Usage errors and ``--help`` exit via ``SystemExit`` as
-    usual for argparse.
-    """
-    parser = argparse.ArgumentParser(
-        prog="lmcache-mooncake make-model",
+def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
+    """Add ``make-model`` to the command line's subparsers."""
+    parser = subparsers.add_parser(
+        "make-model",
+        help=help,
         description=(
             "Generate a small, deterministic Hugging Face model folder (config.json, random\n"
             "bf16 model.safetensors, byte-level BPE tokenizer with a ChatML chat template)\n"
@@ -483,7 +479,17 @@ def main_make_model(argv: list[str] | None = None) -> int:
         help=f"cache folder to build into (default: ${ENV_CACHE_DIR} or ~/.cache/lmcache-mooncake/models)",
     )
     parser.add_argument("--force", action="store_true", help="rebuild even if a complete folder exists")
-    args = parser.parse_args(argv)
+    parser.set_defaults(run=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """``lmcache-mooncake make-model``: build (or reuse) a model folder.
+
+    Prints the folder path as the last line of stdout and a one-line summary on
+    stderr; returns 0. Usage errors and ``--help`` exit via ``SystemExit`` as
+    usual for argparse.
+    """
     try:
         spec = ModelSpec(
             arch=args.arch,
@@ -493,7 +499,7 @@ def main_make_model(argv: list[str] | None = None) -> int:
             max_position_embeddings=args.max_position_embeddings,
         )
     except ValueError as exc:
-        parser.error(str(exc))
+        args.parser.error(str(exc))
 
     cache_dir = args.out if args.out is not None else default_cache_dir()
     reused = not args.force and _is_complete(cache_dir / model_dir_name(spec), spec)
@@ -509,3 +515,10 @@ def main_make_model(argv: list[str] | None = None) -> int:
     )
     print(folder)
     return 0
+
+
+def main_make_model(argv: list[str] | None = None) -> int:
+    """``lmcache-mooncake make-model ARGV``."""
+    from lmcache_mooncake.cli import main
+
+    return main(["make-model", *(sys.argv[1:] if argv is None else argv)])
