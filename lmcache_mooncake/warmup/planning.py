@@ -45,8 +45,6 @@ def key_namespace(info: ModelInfo, cfg: CacheConfig, model_id: str | None = None
     """
     from lmcache_mooncake.keys import model_identity, namespace_for
 
-    if tp_size < 1 or not 0 <= tp_rank < tp_size:
-        raise ValueError(f"tp_rank {tp_rank} of tp_size {tp_size}: need tp_size >= 1 and 0 <= tp_rank < tp_size")
     return namespace_for(
         model_identity(model_id or cfg.model_id, info.served_model_name),
         info.dtype, info.num_layers, max(1, info.num_kv_heads // tp_size), info.head_size, cfg.chunk_size,
