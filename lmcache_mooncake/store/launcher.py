@@ -43,6 +43,7 @@ import signal
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -399,15 +400,10 @@ def _wait_master(pid: int, log_path: Path, ports: dict[str, int], deadline: floa
             and procs.can_connect(LOOPBACK, ports["metadata_port"], 0.5)
         )
 
-    procs.wait_until(
-        ready, alive=lambda: _pid_alive(pid), deadline=deadline, interval_s=0.1,
-        on_exit=lambda: _died(pid, "mooncake_master", log_path, ports),
-        on_timeout=lambda: StoreError(
-            f"mooncake_master (pid {pid}) did not answer within {wait_s:g} s "
-            f"(health {url}, rpc port {ports['master_port']}, metadata port {ports['metadata_port']}). "
-            f"Log {log_path}:\n{tail_log(log_path)}"
-        ),
-    )
+    _wait_ready(pid, "mooncake_master", log_path, ports, deadline, ready, lambda: (
+        f"mooncake_master (pid {pid}) did not answer within {wait_s:g} s "
+        f"(health {url}, rpc port {ports['master_port']}, metadata port {ports['metadata_port']})"
+    ))
 
 
 def _wait_storage(
@@ -422,14 +418,20 @@ def _wait_storage(
         cap = int(parse_prometheus(text).get("master_total_capacity_bytes", 0)) if text else 0
         return cap >= memory and procs.can_connect(LOOPBACK, ports["client_port"], 0.5)
 
+    _wait_ready(pid, "mooncake_client (storage process)", log_path, ports, deadline, ready, lambda: (
+        f"storage process mooncake_client (pid {pid}) did not mount its {format_bytes(memory)} "
+        f"segment within {wait_s:g} s (master reports capacity {cap})"
+    ))
+
+
+def _wait_ready(pid: int, name: str, log_path: Path, ports: dict[str, int], deadline: float,
+                ready: Callable[[], bool], not_ready: Callable[[], str]) -> None:
+    """Poll ``ready`` every 0.1 s; a :class:`StoreError` with the log's tail if the process dies or
+    ``deadline`` passes (``not_ready()`` says what was missing)."""
     procs.wait_until(
         ready, alive=lambda: _pid_alive(pid), deadline=deadline, interval_s=0.1,
-        on_exit=lambda: _died(pid, "mooncake_client (storage process)", log_path, ports),
-        on_timeout=lambda: StoreError(
-            f"storage process mooncake_client (pid {pid}) did not mount its {format_bytes(memory)} "
-            f"segment within {wait_s:g} s (master reports capacity {cap}). "
-            f"Log {log_path}:\n{tail_log(log_path)}"
-        ),
+        on_exit=lambda: _died(pid, name, log_path, ports),
+        on_timeout=lambda: StoreError(f"{not_ready()}. Log {log_path}:\n{tail_log(log_path)}"),
     )
 
 
