@@ -39,11 +39,10 @@ def spawn(cmd: Sequence[str], log_path: Path | str, *, env: Mapping[str, str] | 
 
     The new session makes the child a process group leader, so
     :func:`stop_group` stops it and every process it starts. ``mode`` is the
-    log's open mode ("w" replaces, "a"/"ab" appends); ``header`` is written to
+    log's open mode ("w" replaces, "a" appends); ``header`` is written to
     the log first. Raises ``OSError`` when ``cmd`` cannot be executed.
     """
-    binary = "b" in mode
-    with open(log_path, mode if binary else mode + "b") as log:
+    with open(log_path, mode.replace("b", "") + "b") as log:
         if header is not None:
             log.write(header.encode())
             log.flush()
