@@ -38,9 +38,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lmcache_mooncake.models import ModelSpec, build_model
-from lmcache_mooncake.offline import Instance, RunSpec
 from lmcache_mooncake.store.launcher import StoreSpec, start_store, stop_store
+from lmcache_mooncake.testing.models import ModelSpec, build_model
+from lmcache_mooncake.testing.offline import Instance, RunSpec
 from lmcache_mooncake.warmup import get_renderer, warmup
 
 REPO = Path(__file__).resolve().parent.parent

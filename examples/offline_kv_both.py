@@ -12,7 +12,7 @@ import tempfile
 
 from vllm import LLM, SamplingParams
 
-from lmcache_mooncake.models import ModelSpec, build_model
+from lmcache_mooncake.testing.models import ModelSpec, build_model
 
 
 def main() -> None:

@@ -19,8 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from lmcache_mooncake.models import ModelSpec, build_model
 from lmcache_mooncake.store.launcher import StoreSpec, start_store, stop_store
+from lmcache_mooncake.testing.models import ModelSpec, build_model
 from lmcache_mooncake.warmup import warmup
 
 HERE = Path(__file__).resolve().parent

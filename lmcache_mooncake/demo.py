@@ -10,30 +10,23 @@ the time to first token, and whether the greedy output matched run 1.
 from __future__ import annotations
 
 import argparse
-import random
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-from lmcache_mooncake.models import ModelSpec, build_model
-from lmcache_mooncake.offline import RunSpec, run_instance
-
-
-def demo_prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
-    """Deterministic token-id prompts; the last one shares the first one's prefix."""
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(16, vocab_size) for _ in range(n)] for n in lengths]
-    if len(prompts) >= 2:
-        shared = prompts[0][: lengths[0] * 3 // 4]
-        prompts.append(shared + [rng.randrange(16, vocab_size) for _ in range(300)])
-    return prompts
+from lmcache_mooncake.testing.models import ModelSpec, build_model
+from lmcache_mooncake.testing.offline import RunSpec, run_instance
+from lmcache_mooncake.testing.prompts import demo_prompts
 
 
-def main_demo(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="lmcache-mooncake demo",
+def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
+    """Add ``demo`` to the command line's subparsers."""
+    p = subparsers.add_parser(
+        "demo",
+        help=help,
         description="Run one vLLM instance (kv_both, configs/both.yaml keys) twice on the same prompts "
         "and print prompt tokens, cached tokens and time to first token for each run.",
     )
@@ -44,7 +37,12 @@ def main_demo(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", default="600,1500,2600", help="prompt lengths in tokens, comma-separated")
     p.add_argument("--work-dir", default=None, help="folder for the disk tier and logs (default: a new temp folder)")
     p.add_argument("--keep", action="store_true", help="keep the work folder (disk tier, vLLM logs)")
-    args = p.parse_args(argv)
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Two runs of one vLLM instance, then the table."""
 
     model = args.model
     if model is None:

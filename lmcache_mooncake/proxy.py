@@ -479,12 +479,10 @@ example:
 """
 
 
-def main_proxy(argv: list[str] | None = None) -> int:
-    """``lmcache-mooncake proxy``: parse the flags and serve the proxy with uvicorn."""
-    from lmcache_mooncake.logs import setup_logging
-
-    p = argparse.ArgumentParser(prog="lmcache-mooncake proxy", description=_PROXY_DESCRIPTION,
-                                epilog=_PROXY_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
+    """Add ``proxy`` to the command line's subparsers."""
+    p = subparsers.add_parser("proxy", help=help, description=_PROXY_DESCRIPTION, epilog=_PROXY_EPILOG,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prefill", nargs="+", action="extend", required=True, metavar="URL",
                    help="prefill vLLM instance(s), e.g. http://127.0.0.1:8100 (repeatable)")
     p.add_argument("--decode", nargs="+", action="extend", required=True, metavar="URL",
@@ -499,7 +497,15 @@ def main_proxy(argv: list[str] | None = None) -> int:
                    help="longest wait to connect to an instance before trying the next one (default 5)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="log level (default info)")
-    args = p.parse_args(argv)
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """``lmcache-mooncake proxy``: check the flags and serve the proxy with uvicorn."""
+    from lmcache_mooncake.logs import setup_logging
+
+    p = args.parser
     if not 0 < args.port < 65536:
         p.error(f"--port {args.port} is not a valid port")
     if args.timeout <= 0 or args.connect_timeout <= 0:
@@ -516,3 +522,12 @@ def main_proxy(argv: list[str] | None = None) -> int:
     logging.getLogger("lmcache_mooncake").setLevel(args.log_level.upper())
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0
+
+
+def main_proxy(argv: list[str] | None = None) -> int:
+    """``lmcache-mooncake proxy ARGV``."""
+    import sys
+
+    from lmcache_mooncake.cli import main
+
+    return main(["proxy", *(sys.argv[1:] if argv is None else argv)])

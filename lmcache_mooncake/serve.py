@@ -13,8 +13,19 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+
+
+def connector_config(kv_role: str, extra_config: dict) -> dict:
+    """vLLM's ``kv_transfer_config`` for our connector in ``kv_role`` (kv_producer, kv_consumer, kv_both)."""
+    return {
+        "kv_connector": "LMCacheMooncakeConnector",
+        "kv_connector_module_path": "lmcache_mooncake.connector",
+        "kv_role": kv_role,
+        "kv_connector_extra_config": extra_config,
+    }
 
 
 def kv_transfer_config(role: str, config_file: str | None, overrides: dict | None = None) -> dict:
@@ -22,12 +33,7 @@ def kv_transfer_config(role: str, config_file: str | None, overrides: dict | Non
     extra: dict = dict(overrides or {})
     if config_file:
         extra["config_file"] = config_file
-    return {
-        "kv_connector": "LMCacheMooncakeConnector",
-        "kv_connector_module_path": "lmcache_mooncake.connector",
-        "kv_role": ROLES[role],
-        "kv_connector_extra_config": extra,
-    }
+    return connector_config(ROLES[role], extra)
 
 
 def default_config_file(role: str) -> str | None:
@@ -47,9 +53,11 @@ def vllm_command(role: str, model: str, host: str, port: int, config_file: str |
     ]
 
 
-def main_serve(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="lmcache-mooncake serve",
+def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
+    """Add ``serve`` to the command line's subparsers; arguments it does not know are passed to vLLM."""
+    p = subparsers.add_parser(
+        "serve",
+        help=help,
         description="Start vLLM's OpenAI-compatible server as a prefill (kv_producer), decode "
         "(kv_consumer) or both (kv_both) instance with the lmcache-mooncake connector. "
         "Arguments it does not know go to vLLM unchanged, e.g. --dtype bfloat16 --max-model-len 8192.",
@@ -62,7 +70,13 @@ def main_serve(argv: list[str] | None = None) -> int:
                    help="cache configuration YAML (default: configs/<role>.yaml of the current folder if "
                    "present, else the embedded defaults with the embedded store: mooncake.master_address auto)")
     p.add_argument("--print-command", action="store_true", help="print the vLLM command line and exit")
-    args, vllm_args = p.parse_known_args(argv)
+    p.set_defaults(run=run, pass_through=True)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check the configuration, then replace this process with vLLM's server."""
+    vllm_args = list(args.passed_through)
     config_file = args.config or default_config_file(args.role)
     overrides = None
     if config_file is None:
@@ -86,3 +100,10 @@ def main_serve(argv: list[str] | None = None) -> int:
     sys.stderr.flush()
     os.execv(cmd[0], cmd)  # vLLM takes over this process: signals go straight to it
     return 0  # not reached
+
+
+def main_serve(argv: list[str] | None = None) -> int:
+    """``lmcache-mooncake serve ARGV``."""
+    from lmcache_mooncake.cli import main
+
+    return main(["serve", *(sys.argv[1:] if argv is None else argv)])

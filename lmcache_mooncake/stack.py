@@ -15,10 +15,8 @@ table, and shuts down.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -27,11 +25,14 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
+from lmcache_mooncake import procs
 from lmcache_mooncake.serve import default_config_file, vllm_command
 from lmcache_mooncake.stats import read_stats
+from lmcache_mooncake.testing.prompts import demo_requests
 
 
 @dataclass
@@ -40,13 +41,6 @@ class Child:
     proc: subprocess.Popen
     log: Path
     url: str | None = None
-
-
-def _tail(path: Path, n: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return "(no log)"
 
 
 class Stack:
@@ -60,40 +54,20 @@ class Stack:
 
     def spawn(self, name: str, cmd: list[str], env: dict[str, str], url: str | None = None) -> Child:
         log = self.work / f"{name}.log"
-        with open(log, "w") as f:
-            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        child = Child(name, proc, log, url)
+        child = Child(name, procs.spawn(cmd, log, env=env), log, url)
         self.children.append(child)
         return child
 
     def wait_healthy(self, child: Child, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if child.proc.poll() is not None:
-                raise RuntimeError(f"{child.name} exited ({child.proc.returncode}); log {child.log}:\n{_tail(child.log)}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{child.url}/health", timeout=2).status_code == 200:
-                    return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{child.name} did not answer at {child.url} within {timeout_s:.0f} s; "
-                                   f"log {child.log}:\n{_tail(child.log)}")
-            time.sleep(0.5)
+        if child.url is None:
+            raise ValueError(f"{child.name} has no URL to check")
+        procs.wait_healthy(child.proc, child.url, timeout_s, child.name, child.log)
 
     def stop(self, grace_s: float = 30.0) -> None:
         for child in reversed(self.children):
             if child.proc.poll() is None:
                 print(f"up: stopping {child.name} (pid {child.proc.pid})", file=sys.stderr)
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(child.proc.pid, signal.SIGTERM)
-                try:
-                    child.proc.wait(grace_s)
-                except subprocess.TimeoutExpired:
-                    pass
-            # Whatever the child left in its process group goes too.
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(child.proc.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                child.proc.wait(5)
+            procs.stop_group(child.proc, grace_s)
         self.children.clear()
         if self.started_store and self.store_dir is not None:
             from lmcache_mooncake.store.launcher import stop_store
@@ -103,9 +77,11 @@ class Stack:
             self.started_store = False
 
 
-def main_up(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="lmcache-mooncake up",
+def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
+    """Add ``up`` to the command line's subparsers."""
+    p = subparsers.add_parser(
+        "up",
+        help=help,
         description="Start the Mooncake store, one prefill and one decode vLLM and the proxy on this "
         "host; print the proxy's URL; stop everything on Ctrl-C or SIGTERM.",
     )
@@ -120,16 +96,21 @@ def main_up(argv: list[str] | None = None) -> int:
     p.add_argument("--startup-timeout", type=float, default=600, help="seconds to wait for each server")
     p.add_argument("--demo", action="store_true", help="send demo prompts through the proxy, print a table, stop")
     p.add_argument("--size", default="small", choices=["tiny", "small", "0.5b"], help="generated model size for --demo")
-    args = p.parse_args(argv)
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the stack, wait for every part, then serve (or run the demo) until stopped."""
     if args.model is None and not args.demo:
-        p.error("--model is required (or use --demo)")
+        args.parser.error("--model is required (or use --demo)")
 
     from lmcache_mooncake.config import parse_size
     from lmcache_mooncake.store.launcher import StoreSpec, default_state_dir, start_store, store_status
 
     model = args.model
     if model is None:
-        from lmcache_mooncake.models import ModelSpec, build_model
+        from lmcache_mooncake.testing.models import ModelSpec, build_model
 
         print(f"up: building (or reusing) the generated '{args.size}' Llama model", file=sys.stderr)
         model = str(build_model(ModelSpec(arch="llama", size=args.size)))
@@ -151,10 +132,8 @@ def main_up(argv: list[str] | None = None) -> int:
             start_store(StoreSpec(memory_bytes=parse_size(args.store_memory), state_dir=stack.store_dir))
             stack.started_store = True
 
-        from lmcache_mooncake.store.launcher import free_port
-
-        prefill_port = free_port()
-        ports = {"prefill": prefill_port, "decode": free_port(exclude={prefill_port})}
+        prefill_port = procs.free_port()
+        ports = {"prefill": prefill_port, "decode": procs.free_port(exclude={prefill_port})}
         # On small CPU machines two vLLMs must not bind OpenMP to the same core.
         cores = sorted(os.sched_getaffinity(0))
         for i, role in enumerate(("prefill", "decode")):
@@ -187,7 +166,7 @@ def main_up(argv: list[str] | None = None) -> int:
             for child in stack.children:
                 if child.proc.poll() is not None:
                     print(f"up: {child.name} exited ({child.proc.returncode}); stopping the stack. "
-                          f"Log {child.log}:\n{_tail(child.log)}", file=sys.stderr)
+                          f"Log {child.log}:\n{procs.tail_log(child.log, 30)}", file=sys.stderr)
                     return 1
         return 0
     except Exception as e:  # report, then always stop what was started
@@ -197,18 +176,6 @@ def main_up(argv: list[str] | None = None) -> int:
         stack.stop()
         for s, h in old.items():
             signal.signal(s, h)
-
-
-def demo_requests(vocab: int, seed: int = 0) -> list[tuple[str, list[int]]]:
-    """Long prompts, some repeated, one sharing a prefix with another."""
-    rng = random.Random(seed)
-
-    def rand(n: int) -> list[int]:
-        return [rng.randrange(16, vocab) for _ in range(n)]
-
-    a, b = rand(1500), rand(2600)
-    shared = a[:1200] + rand(400)
-    return [("new", a), ("new", b), ("repeat of 0", a), ("shares 1200 with 0", shared), ("repeat of 1", b)]
 
 
 def _tier(delta: dict[str, int], cached: int) -> str:

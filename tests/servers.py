@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import subprocess
-import time
 from pathlib import Path
 
-import httpx
+from lmcache_mooncake import procs
 
 
 class Server:
@@ -19,26 +15,18 @@ class Server:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> Server:
-        """Spawn the process (in its own session) without waiting for it."""
-        with open(self.log, "a") as f:
-            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=f, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+        """Spawn the process (in its own session) without waiting for it; its log is appended to."""
+        self.proc = procs.spawn(self.cmd, self.log, env=self.env, mode="a")
         return self
 
     def wait_ready(self, timeout_s: float = 420) -> Server:
-        """Block until /health answers 200; fail if the process exits or the time runs out."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            assert self.proc is not None and self.proc.poll() is None, f"{self.name} exited; see {self.log}"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            assert time.monotonic() < deadline, f"{self.name} not ready; see {self.log}"
-            time.sleep(0.5)
+        """Block until /health answers 200; fail (with the log's tail) if the process exits or the time runs out."""
+        if self.proc is None:
+            raise RuntimeError(f"{self.name} was not started")
+        procs.wait_healthy(self.proc, self.url, timeout_s, self.name, self.log)
+        return self
 
     def kill(self) -> None:
         """SIGKILL the process and everything it started."""
         if self.proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+            procs.stop_group(self.proc)

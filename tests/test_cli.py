@@ -4,6 +4,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from lmcache_mooncake.cli import COMMANDS
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -37,3 +41,23 @@ def test_check_config_reports_file_and_key(tmp_path):
 def test_unknown_command_is_an_error():
     out = cli("frobnicate")
     assert out.returncode != 0 and "unknown command" in out.stderr
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_every_command_has_help(command):
+    out = cli(command, "--help")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"usage: lmcache-mooncake {command} ")
+
+
+def test_serve_passes_unknown_arguments_to_vllm():
+    out = cli("serve", "--role", "both", "--model", "m", "--print-command", "--dtype", "bfloat16",
+              "--max-model-len=8192", "-tp", "2")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-5:] == ["--dtype", "bfloat16", "--max-model-len=8192", "-tp", "2"]
+    assert '"kv_role": "kv_both"' in out.stdout
+
+
+def test_other_commands_refuse_unknown_arguments():
+    out = cli("check-config", "configs/both.yaml", "--bogus")
+    assert out.returncode == 2 and "unrecognized arguments: --bogus" in out.stderr

@@ -16,11 +16,11 @@ import pytest
 
 from lmcache_mooncake import keys
 from lmcache_mooncake.keys import KeyNamespace
-from lmcache_mooncake.models import ModelSpec, build_model
-from lmcache_mooncake.offline import Instance, RunSpec, run_instance
 from lmcache_mooncake.stats import read_stats
 from lmcache_mooncake.store.client import StoreClient
 from lmcache_mooncake.store.launcher import StoreSpec, read_state, start_store, stop_store
+from lmcache_mooncake.testing.models import ModelSpec, build_model
+from lmcache_mooncake.testing.offline import Instance, RunSpec, run_instance
 
 pytestmark = pytest.mark.e2e
 CHUNK = 256

@@ -26,9 +26,9 @@ import pytest
 from lmcache_mooncake import keys
 from lmcache_mooncake.chunk_format import decode
 from lmcache_mooncake.keys import KeyNamespace, chunk_keys
-from lmcache_mooncake.models import ModelSpec, build_model
-from lmcache_mooncake.offline import RunSpec, run_instance
 from lmcache_mooncake.stats import read_stats
+from lmcache_mooncake.testing.models import ModelSpec, build_model
+from lmcache_mooncake.testing.offline import RunSpec, run_instance
 
 CHUNK = 256
 pytestmark = pytest.mark.e2e

@@ -18,12 +18,13 @@ from servers import Server
 
 from lmcache_mooncake import keys
 from lmcache_mooncake.keys import KeyNamespace
-from lmcache_mooncake.models import ModelSpec, build_model
-from lmcache_mooncake.offline import Instance, RunSpec, vllm_env
+from lmcache_mooncake.procs import free_port
 from lmcache_mooncake.serve import vllm_command
 from lmcache_mooncake.stats import read_stats
 from lmcache_mooncake.store.client import StoreClient
-from lmcache_mooncake.store.launcher import StoreSpec, free_port, start_store, stop_store
+from lmcache_mooncake.store.launcher import StoreSpec, start_store, stop_store
+from lmcache_mooncake.testing.models import ModelSpec, build_model
+from lmcache_mooncake.testing.offline import Instance, RunSpec, vllm_env
 from lmcache_mooncake.warmup import main_warmup, warmup
 
 pytestmark = pytest.mark.e2e
@@ -116,7 +117,7 @@ def warmed(model, work, store, input_files):
 
 
 def expected_names(model: Path, summary) -> list[str]:
-    """Object names computed here, independently of warmup.py, as the worker of a vLLM
+    """Object names computed here, independently of the warmup package, as the worker of a vLLM
     serving --model MODEL --dtype float32 names them."""
     ns = KeyNamespace(model=str(model), kv_dtype="float32", num_layers=4, num_kv_heads=2, head_size=64,
                       chunk_size=CHUNK)

@@ -1,4 +1,4 @@
-"""Tests for lmcache_mooncake.models: deterministic hub-free model folders."""
+"""Tests for lmcache_mooncake.testing.models: deterministic hub-free model folders."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_mooncake.models import (
+from lmcache_mooncake.testing.models import (
     MARKER,
     SIZES,
     ModelSpec,
@@ -115,7 +115,7 @@ def test_fresh_process_builds_identical_files(tiny_dir: Path, tmp_path: Path) ->
     # that tokenizer training and weight init do not depend on process state.
     code = (
         "import sys; from pathlib import Path; "
-        "from lmcache_mooncake.models import ModelSpec, build_model; "
+        "from lmcache_mooncake.testing.models import ModelSpec, build_model; "
         "print(build_model(ModelSpec(), Path(sys.argv[1])))"
     )
     env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -229,7 +229,7 @@ def test_half_b_shape_param_count() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lmcache_mooncake.models import _make_config
+    from lmcache_mooncake.testing.models import _make_config
 
     config = _make_config(ModelSpec(arch="qwen2", size="0.5b"))
     with torch.device("meta"):

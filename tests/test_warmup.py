@@ -9,12 +9,14 @@ import random
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from lmcache_mooncake.config import load_config
 from lmcache_mooncake.keys import KeyNamespace, chunk_keys
-from lmcache_mooncake.models import ModelSpec, build_model
 from lmcache_mooncake.store.client import StoreClient
 from lmcache_mooncake.store.launcher import StoreSpec, start_store, stop_store
+from lmcache_mooncake.testing.models import ModelSpec, build_model
 from lmcache_mooncake.warmup import (
     BadInputError,
     WarmupError,
@@ -263,3 +265,69 @@ def test_help_explains_inputs_and_gives_an_example(capsys):
     for word in ("prompt_token_ids", "messages", "cache_salt", ".txt", "--dry-run", "--strict", "--summary-json",
                  "--batch-size", "path:line", "example:", "lmcache-mooncake warmup --model", "exit codes"):
         assert word in out, word
+
+
+# Shapes, dtypes, chunk sizes and tensor parallel layouts the worker supports.
+_SHAPES = st.fixed_dictionaries({
+    "model_id": st.one_of(st.none(), st.text(min_size=1, max_size=12)),
+    "served": st.text(min_size=1, max_size=12),
+    "dtype": st.sampled_from(["float32", "bfloat16", "float16"]),
+    "num_layers": st.integers(1, 6),
+    "num_kv_heads": st.sampled_from([1, 2, 4, 8]),
+    "head_size": st.sampled_from([32, 64, 80, 128]),
+    "chunk_size": st.sampled_from([16, 64, 256, 512]),
+    "tp_size": st.sampled_from([1, 2, 4, 8]),
+    "salt": st.one_of(st.none(), st.text(min_size=1, max_size=6)),
+    "n_tokens": st.integers(1, 1100),
+})
+
+
+def _worker_namespace(monkeypatch, tmp_path, s: dict, tp_rank: int) -> KeyNamespace:
+    """The namespace the connector's worker builds from its KV tensors, with the engine stubbed out."""
+    import torch
+
+    from lmcache_mooncake.config import CacheConfig
+    from lmcache_mooncake.connector import worker
+    from lmcache_mooncake.keys import model_identity
+
+    monkeypatch.setattr(worker, "build_engine", lambda *a, **k: None)
+    monkeypatch.setattr(worker, "LookupServer", lambda *a, **k: None)
+    cfg = CacheConfig(chunk_size=s["chunk_size"], model_id=s["model_id"])
+    side = worker.WorkerSide(cfg, model_identity(s["model_id"], s["served"]), "FLASH_ATTN", 16, tmp_path,
+                             tmp_path / "lookup.sock", "test", tp_rank=tp_rank, tp_size=s["tp_size"])
+    heads = max(1, s["num_kv_heads"] // s["tp_size"])  # vLLM's split of KV heads over ranks
+    dtype = getattr(torch, s["dtype"])
+    side.register_kv_caches({f"layer{i}": torch.zeros(1, heads, 16, 2 * s["head_size"], dtype=dtype)
+                             for i in range(s["num_layers"])})
+    assert side.namespace is not None
+    return side.namespace
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(s=_SHAPES, data=st.data())
+def test_warmup_names_equal_the_workers_names(monkeypatch, tmp_path, s, data):
+    """Warm-up's namespace and object names are the worker's, for every shape, dtype, chunk size and
+    tensor parallel rank: keys.namespace_for + keys.object_names, and the worker's own path from its
+    KV tensors."""
+    from lmcache_mooncake import keys
+    from lmcache_mooncake.config import CacheConfig
+    from lmcache_mooncake.warmup import ModelInfo
+
+    tp_rank = data.draw(st.integers(0, s["tp_size"] - 1))
+    info = ModelInfo(model=s["served"], served_model_name=s["served"], dtype=s["dtype"], max_model_len=4096,
+                     num_layers=s["num_layers"], num_kv_heads=s["num_kv_heads"], head_size=s["head_size"],
+                     vocab_size=2048)
+    cfg = CacheConfig(chunk_size=s["chunk_size"], model_id=s["model_id"])
+    ns = key_namespace(info, cfg, tp_size=s["tp_size"], tp_rank=tp_rank)
+    direct = keys.namespace_for(keys.model_identity(s["model_id"], s["served"]), s["dtype"], s["num_layers"],
+                                max(1, s["num_kv_heads"] // s["tp_size"]), s["head_size"], s["chunk_size"],
+                                tp_size=s["tp_size"], tp_rank=tp_rank)
+    assert ns == direct
+    assert ns == _worker_namespace(monkeypatch, tmp_path, s, tp_rank)
+    tokens = list(range(16, 16 + s["n_tokens"]))
+    for partial in (True, False):
+        assert object_names(ns, tokens, s["salt"], include_partial=partial) == keys.object_names(
+            direct, tokens, s["salt"], None, include_partial=partial)
+    # Tensor parallel size 1 (what the warm-up command writes) is the default.
+    if s["tp_size"] == 1:
+        assert key_namespace(info, cfg) == ns

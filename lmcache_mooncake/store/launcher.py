@@ -14,10 +14,14 @@ state folder) so that they outlive the command that started them:
   RPC port (``client_port``) is also where same-host clients in ``shm`` mode
   attach.
 
+What is started and recorded is in :mod:`lmcache_mooncake.store.state`, the
+binaries in :mod:`lmcache_mooncake.store.binaries`, process and port helpers
+in :mod:`lmcache_mooncake.procs`.
+
 A JSON state file (``store.json``) in the state folder records pids, ports,
 command lines, log paths and the start time; :func:`store_status` and
 :func:`stop_store` work from it. :func:`stop_store` only signals a recorded
-pid whose ``/proc/<pid>/cmdline`` still equals the recorded command line.
+pid whose command line (read with ``psutil``) still equals the recorded command line.
 
 Network exposure: whatever address is passed, Mooncake 0.3.13's HTTP metadata
 server (``metadata_port``) and the storage process's transfer-engine ports
@@ -31,32 +35,53 @@ honour 127.0.0.1.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import datetime as _dt
-import fcntl
 import json
 import logging
 import os
 import re
-import shutil
 import signal
-import socket
-import subprocess
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger(__name__)
+import psutil
 
-GiB = 1 << 30
-STATE_FILE = "store.json"
-LOCK_FILE = "store.lock"
-STATE_VERSION = 1
-ENV_STATE_DIR = "LMCACHE_MOONCAKE_STORE_DIR"
-LOOPBACK = "127.0.0.1"
+from lmcache_mooncake import procs
+from lmcache_mooncake.procs import format_bytes, free_port, port_in_use, tail_log
+from lmcache_mooncake.store.binaries import check_shared_libraries, find_binaries, missing_library_hint
+from lmcache_mooncake.store.errors import StoreError
+from lmcache_mooncake.store.state import (
+    LOCK_FILE,
+    LOOPBACK,
+    STATE_FILE,
+    StoreSpec,
+    StoreState,
+    default_state_dir,
+    iso_time,
+    read_state,
+)
+
+__all__ = [
+    "ALL_INTERFACES_WARNING",
+    "StoreError",
+    "StoreSpec",
+    "StoreState",
+    "default_state_dir",
+    "find_binaries",
+    "free_port",
+    "missing_library_hint",
+    "parse_prometheus",
+    "port_in_use",
+    "read_state",
+    "start_store",
+    "stop_store",
+    "store_status",
+]
+
+log = logging.getLogger(__name__)
 
 ALL_INTERFACES_WARNING = (
     "Mooncake's HTTP metadata server and the storage process's data-transfer ports "
@@ -66,171 +91,9 @@ ALL_INTERFACES_WARNING = (
     "ports or use this only on a host whose network you trust."
 )
 
-# Shared libraries the Mooncake binaries load, and the Debian/Ubuntu package
-# that provides each (the loader error names the library, not the package).
-_LIB_PACKAGES = {
-    "libibverbs.so.1": "libibverbs1",
-    "libnuma.so.1": "libnuma1",
-    "libcurl.so.4": "libcurl4",
-    "libnl-3.so.200": "libnl-3-200",
-    "libnl-route-3.so.200": "libnl-route-3-200",
-}
-_LOADER_ERROR = re.compile(r"error while loading shared libraries: (\S+?): cannot open shared object file")
-
-
-class StoreError(RuntimeError):
-    """The store cannot be started, inspected or stopped; the message says why and what to do."""
-
-
-def default_state_dir() -> Path:
-    """``$LMCACHE_MOONCAKE_STORE_DIR``, else ``~/.cache/lmcache-mooncake/store``."""
-    env = os.environ.get(ENV_STATE_DIR)
-    if env:
-        return Path(os.path.expandvars(env)).expanduser()
-    return Path.home() / ".cache" / "lmcache-mooncake" / "store"
-
-
-@dataclass
-class StoreSpec:
-    """What to start. Ports left ``None`` are picked free on 127.0.0.1."""
-
-    #: Bytes of store memory owned by the storage process (its global segment).
-    memory_bytes: int = 4 * GiB
-    #: Master RPC port (clients' ``master_addr``).
-    master_port: int | None = None
-    #: Master's HTTP metadata server port (clients' ``metadata_url``). Listens on all interfaces.
-    metadata_port: int | None = None
-    #: Master's admin HTTP port (``/health``, ``/metrics``), bound to 127.0.0.1.
-    metrics_port: int | None = None
-    #: Storage process RPC port, bound to 127.0.0.1 (``shm``-mode clients attach here).
-    client_port: int | None = None
-    #: Folder for the state file and logs.
-    state_dir: Path = field(default_factory=default_state_dir)
-    #: Transfer protocol of the storage process: "tcp" or "rdma".
-    protocol: str = "tcp"
-    #: RDMA device names for ``protocol="rdma"`` (e.g. "mlx5_0,mlx5_1").
-    rdma_devices: str = ""
-    #: Threads of the storage process's RPC service (serves ``shm``-mode clients).
-    client_threads: int = 4
-    #: Master evicts when memory use passes this ratio (Mooncake default 0.9).
-    eviction_high_watermark_ratio: float = 0.9
-    #: Fraction of objects evicted per eviction round (Mooncake default 0.05).
-    eviction_ratio: float = 0.05
-    #: Seconds a client stays registered after its last heartbeat (Mooncake default 10).
-    client_ttl_s: int = 10
-    #: Seconds to wait for both processes to answer.
-    wait_s: float = 30.0
-    #: Extra command-line flags for the master / the storage process.
-    extra_master_args: list[str] = field(default_factory=list)
-    extra_client_args: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.state_dir = Path(self.state_dir).expanduser()
-        if self.memory_bytes < 16 << 20:
-            raise StoreError(f"memory_bytes={self.memory_bytes}: give at least 16 MiB (e.g. 4 GiB)")
-        if self.protocol not in ("tcp", "rdma"):
-            raise StoreError(f"protocol={self.protocol!r}: use 'tcp' or 'rdma'")
-        for name in ("master_port", "metadata_port", "metrics_port", "client_port"):
-            port = getattr(self, name)
-            if port is not None and not 0 < int(port) < 65536:
-                raise StoreError(f"{name}={port} is not a TCP port (1-65535)")
-        if not 0 < self.eviction_high_watermark_ratio <= 1 or not 0 < self.eviction_ratio <= 1:
-            raise StoreError("eviction ratios must be in (0, 1]")
-        if self.wait_s <= 0:
-            raise StoreError(f"wait_s={self.wait_s} must be above 0")
-
-
-@dataclass
-class StoreState:
-    """What :func:`start_store` started; the content of the JSON state file."""
-
-    state_dir: Path
-    host: str
-    memory_bytes: int
-    protocol: str
-    master_port: int
-    metadata_port: int
-    metrics_port: int
-    client_port: int
-    master_pid: int
-    client_pid: int
-    master_cmdline: list[str]
-    client_cmdline: list[str]
-    master_log: str
-    client_log: str
-    started_at: float
-    version: int = STATE_VERSION
-
-    # Addresses clients use --------------------------------------------------
-    @property
-    def master_addr(self) -> str:
-        return f"{self.host}:{self.master_port}"
-
-    @property
-    def metadata_url(self) -> str:
-        return f"http://{self.host}:{self.metadata_port}/metadata"
-
-    @property
-    def metrics_url(self) -> str:
-        return f"http://{self.host}:{self.metrics_port}"
-
-    @property
-    def client_addr(self) -> str:
-        """The storage process's RPC address (``StoreClient`` ``mode="shm"`` attaches here)."""
-        return f"{self.host}:{self.client_port}"
-
-    @property
-    def state_file(self) -> Path:
-        return Path(self.state_dir) / STATE_FILE
-
-    def addresses(self) -> dict[str, str]:
-        return {
-            "master_addr": self.master_addr,
-            "metadata_url": self.metadata_url,
-            "client_addr": self.client_addr,
-            "metrics_url": self.metrics_url,
-        }
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["state_dir"] = str(self.state_dir)
-        d["addresses"] = self.addresses()
-        d["started_at_iso"] = _iso(self.started_at)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> StoreState:
-        names = {f.name for f in dataclasses.fields(cls)}
-        kw = {k: v for k, v in d.items() if k in names}
-        kw["state_dir"] = Path(kw["state_dir"])
-        return cls(**kw)
-
-    def write(self) -> None:
-        path = self.state_file
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        os.replace(tmp, path)
-
-
 # --------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------
-
-
-def read_state(state_dir: Path | str | None = None) -> StoreState | None:
-    """The recorded state in ``state_dir`` (default :func:`default_state_dir`), or None."""
-    sd = Path(state_dir).expanduser() if state_dir is not None else default_state_dir()
-    path = sd / STATE_FILE
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        raise StoreError(f"{path}: unreadable state file ({e}); remove it if no store runs there") from e
-    try:
-        return StoreState.from_dict(data)
-    except (KeyError, TypeError) as e:
-        raise StoreError(f"{path}: state file lacks {e}; remove it if no store runs there") from e
 
 
 def start_store(spec: StoreSpec | None = None) -> StoreState:
@@ -258,7 +121,7 @@ def start_store(spec: StoreSpec | None = None) -> StoreState:
             existing.state_file.unlink(missing_ok=True)
 
         master_bin, client_bin = find_binaries()
-        _check_shared_libraries(master_bin)
+        check_shared_libraries(master_bin)
         ports = _choose_ports(spec)
         env = dict(os.environ)
         env["MC_TCP_BIND_ADDRESS"] = LOOPBACK  # the storage process advertises its loopback address
@@ -331,7 +194,7 @@ def start_store(spec: StoreSpec | None = None) -> StoreState:
         sd,
         state.master_addr,
         state.metadata_url,
-        _fmt_bytes(spec.memory_bytes),
+        format_bytes(spec.memory_bytes),
         mpid,
         cpid,
     )
@@ -346,7 +209,7 @@ def store_status(state_dir: Path | str | None = None, timeout_s: float = 2.0) ->
     ``problems``. Keys:
 
     - ``running``: a state file exists and both recorded processes are alive
-      (pid alive and ``/proc/<pid>/cmdline`` equals the recorded command line).
+      (pid alive and its command line equals the recorded one).
     - ``healthy``: running, the master's ``/health`` says ``service_ready`` and
       the storage segment is mounted (capacity > 0).
     - ``addresses``: ``master_addr``, ``metadata_url`` (tcp-mode clients),
@@ -397,7 +260,7 @@ def store_status(state_dir: Path | str | None = None, timeout_s: float = 2.0) ->
         memory_bytes=st.memory_bytes,
         protocol=st.protocol,
         logs={"master": st.master_log, "storage": st.client_log},
-        started_at=_iso(st.started_at),
+        started_at=iso_time(st.started_at),
         uptime_s=round(time.time() - st.started_at, 1),
     )
     out["running"] = all(p["alive"] for p in procs.values())
@@ -462,100 +325,10 @@ def stop_store(state_dir: Path | str | None = None, timeout_s: float = 10.0) -> 
 
 
 # --------------------------------------------------------------------------
-# Binaries and preflight
-# --------------------------------------------------------------------------
-
-
-def find_binaries() -> tuple[Path, Path]:
-    """The ``mooncake_master`` and ``mooncake_client`` executables of the installed wheel.
-
-    The ELF binaries inside the ``mooncake`` package folder are preferred to the
-    console-script wrappers so that the recorded pid and command line are the
-    server's own.
-    """
-    import importlib.util
-
-    found: dict[str, Path] = {}
-    spec = importlib.util.find_spec("mooncake")
-    folders = list(spec.submodule_search_locations or []) if spec else []
-    for name in ("mooncake_master", "mooncake_client"):
-        for folder in folders:
-            p = Path(folder) / name
-            if p.is_file():
-                if not os.access(p, os.X_OK):
-                    with contextlib.suppress(OSError):
-                        p.chmod(p.stat().st_mode | 0o111)
-                found[name] = p
-                break
-        else:
-            w = shutil.which(name)
-            if w:
-                found[name] = Path(w)
-    missing = [n for n in ("mooncake_master", "mooncake_client") if n not in found]
-    if missing:
-        raise StoreError(
-            f"{' and '.join(missing)} not found: install Mooncake into this Python environment "
-            "(pip install mooncake-transfer-engine-non-cuda==0.3.13.post1, or "
-            "mooncake-transfer-engine==0.3.13.post1 on CUDA hosts)"
-        )
-    return found["mooncake_master"], found["mooncake_client"]
-
-
-def missing_library_hint(text: str) -> str | None:
-    """An install hint when ``text`` contains a dynamic-loader 'cannot open shared object' error."""
-    m = _LOADER_ERROR.search(text) or re.search(r"(lib[\w.+-]+\.so[\w.]*): cannot open shared object", text)
-    if not m:
-        return None
-    lib = m.group(1)
-    pkg = _LIB_PACKAGES.get(lib)
-    if pkg:
-        return f"shared library {lib} is missing: install it with `apt-get install {pkg}` (Debian/Ubuntu)"
-    return f"shared library {lib} is missing: install the system package that provides it"
-
-
-def _check_shared_libraries(binary: Path) -> None:
-    ldd = shutil.which("ldd")
-    if not ldd:
-        return
-    try:
-        out = subprocess.run([ldd, str(binary)], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return
-    missing = re.findall(r"^\s*(\S+) => not found", out, re.M)
-    if missing:
-        hints = [missing_library_hint(f"{lib}: cannot open shared object file") for lib in missing]
-        raise StoreError(f"cannot run {binary.name}: " + "; ".join(h for h in hints if h))
-
-
-# --------------------------------------------------------------------------
 # Ports
 # --------------------------------------------------------------------------
 
 _PORT_NAMES = ("master_port", "metadata_port", "metrics_port", "client_port")
-
-
-def port_in_use(port: int, host: str = LOOPBACK) -> bool:
-    """True when ``port`` cannot be bound on ``host`` or on 0.0.0.0 (the metadata server binds all)."""
-    for h in (host, "0.0.0.0"):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((h, port))
-            except OSError:
-                return True
-    return False
-
-
-def free_port(exclude: set[int] | None = None) -> int:
-    """A currently free TCP port on 127.0.0.1 (and 0.0.0.0), not in ``exclude``."""
-    exclude = exclude or set()
-    for _ in range(100):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((LOOPBACK, 0))
-            port = s.getsockname()[1]
-        if port not in exclude and not port_in_use(port):
-            return port
-    raise StoreError("could not find a free TCP port on 127.0.0.1")
 
 
 def _choose_ports(spec: StoreSpec) -> dict[str, int]:
@@ -573,16 +346,11 @@ def _choose_ports(spec: StoreSpec) -> dict[str, int]:
     ports = dict(given)
     for name in _PORT_NAMES:
         if name not in ports:
-            ports[name] = free_port(set(ports.values()))
+            try:
+                ports[name] = free_port(set(ports.values()))
+            except OSError as e:
+                raise StoreError(str(e)) from e
     return ports
-
-
-def _can_connect(port: int, host: str = LOOPBACK, timeout: float = 0.5) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
 
 
 # --------------------------------------------------------------------------
@@ -594,22 +362,11 @@ def _spawn(cmd: list[str], log_path: Path, env: dict[str, str], cwd: Path) -> in
     if log_path.exists():
         with contextlib.suppress(OSError):
             os.replace(log_path, log_path.with_suffix(".log.prev"))
-    with open(log_path, "ab") as lf:
-        lf.write(f"# {_iso(time.time())} started: {' '.join(cmd)}\n".encode())
-        lf.flush()
-        try:
-            proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=lf,
-                stderr=subprocess.STDOUT,
-                cwd=str(cwd),
-                env=env,
-                start_new_session=True,
-                close_fds=True,
-            )
-        except OSError as e:
-            raise StoreError(f"cannot start {cmd[0]}: {e}") from e
+    try:
+        proc = procs.spawn(cmd, log_path, env=env, cwd=cwd, mode="ab",
+                           header=f"# {iso_time(time.time())} started: {' '.join(cmd)}\n")
+    except OSError as e:
+        raise StoreError(f"cannot start {cmd[0]}: {e}") from e
     # The Popen object is dropped on purpose: the process is detached and
     # outlives us. We reap it ourselves (see _reap) if we stop it.
     _CHILDREN.add(proc.pid)
@@ -619,16 +376,8 @@ def _spawn(cmd: list[str], log_path: Path, env: dict[str, str], cwd: Path) -> in
 _CHILDREN: set[int] = set()
 
 
-def _log_tail(path: Path | str, lines: int = 25) -> str:
-    try:
-        data = Path(path).read_bytes()[-16384:].decode(errors="replace")
-    except OSError:
-        return "(no log)"
-    return "\n".join(data.splitlines()[-lines:])
-
-
 def _died(pid: int, name: str, log_path: Path, ports: dict[str, int]) -> StoreError:
-    tail = _log_tail(log_path)
+    tail = tail_log(log_path)
     hint = missing_library_hint(tail)
     if hint:
         return StoreError(f"{name} could not start: {hint}. Log {log_path}:\n{tail}")
@@ -641,44 +390,49 @@ def _died(pid: int, name: str, log_path: Path, ports: dict[str, int]) -> StoreEr
 
 def _wait_master(pid: int, log_path: Path, ports: dict[str, int], deadline: float, wait_s: float) -> None:
     url = f"http://{LOOPBACK}:{ports['metrics_port']}/health"
-    while True:
-        if not _pid_alive(pid):
-            raise _died(pid, "mooncake_master", log_path, ports)
+
+    def ready() -> bool:
         h = _http_json(url, 0.5)
-        if (
+        return (
             isinstance(h, dict)
-            and h.get("service_ready")
-            and _can_connect(ports["master_port"])
-            and _can_connect(ports["metadata_port"])
-        ):
-            return
-        if time.monotonic() > deadline:
-            raise StoreError(
-                f"mooncake_master (pid {pid}) did not answer within {wait_s:g} s "
-                f"(health {url}, rpc port {ports['master_port']}, metadata port {ports['metadata_port']}). "
-                f"Log {log_path}:\n{_log_tail(log_path)}"
-            )
-        time.sleep(0.1)
+            and bool(h.get("service_ready"))
+            and procs.can_connect(LOOPBACK, ports["master_port"], 0.5)
+            and procs.can_connect(LOOPBACK, ports["metadata_port"], 0.5)
+        )
+
+    _wait_ready(pid, "mooncake_master", log_path, ports, deadline, ready, lambda: (
+        f"mooncake_master (pid {pid}) did not answer within {wait_s:g} s "
+        f"(health {url}, rpc port {ports['master_port']}, metadata port {ports['metadata_port']})"
+    ))
 
 
 def _wait_storage(
     pid: int, log_path: Path, ports: dict[str, int], memory: int, deadline: float, wait_s: float
 ) -> None:
     url = f"http://{LOOPBACK}:{ports['metrics_port']}/metrics"
-    while True:
-        if not _pid_alive(pid):
-            raise _died(pid, "mooncake_client (storage process)", log_path, ports)
+    cap = 0
+
+    def ready() -> bool:
+        nonlocal cap
         text = _http_text(url, 0.5)
         cap = int(parse_prometheus(text).get("master_total_capacity_bytes", 0)) if text else 0
-        if cap >= memory and _can_connect(ports["client_port"]):
-            return
-        if time.monotonic() > deadline:
-            raise StoreError(
-                f"storage process mooncake_client (pid {pid}) did not mount its {_fmt_bytes(memory)} "
-                f"segment within {wait_s:g} s (master reports capacity {cap}). "
-                f"Log {log_path}:\n{_log_tail(log_path)}"
-            )
-        time.sleep(0.1)
+        return cap >= memory and procs.can_connect(LOOPBACK, ports["client_port"], 0.5)
+
+    _wait_ready(pid, "mooncake_client (storage process)", log_path, ports, deadline, ready, lambda: (
+        f"storage process mooncake_client (pid {pid}) did not mount its {format_bytes(memory)} "
+        f"segment within {wait_s:g} s (master reports capacity {cap})"
+    ))
+
+
+def _wait_ready(pid: int, name: str, log_path: Path, ports: dict[str, int], deadline: float,
+                ready: Callable[[], bool], not_ready: Callable[[], str]) -> None:
+    """Poll ``ready`` every 0.1 s; a :class:`StoreError` with the log's tail if the process dies or
+    ``deadline`` passes (``not_ready()`` says what was missing)."""
+    procs.wait_until(
+        ready, alive=lambda: _pid_alive(pid), deadline=deadline, interval_s=0.1,
+        on_exit=lambda: _died(pid, name, log_path, ports),
+        on_timeout=lambda: StoreError(f"{not_ready()}. Log {log_path}:\n{tail_log(log_path)}"),
+    )
 
 
 def _procs(st: StoreState) -> list[tuple[str, int, list[str]]]:
@@ -687,14 +441,6 @@ def _procs(st: StoreState) -> list[tuple[str, int, list[str]]]:
 
 def _log_of(st: StoreState, name: str) -> str:
     return st.master_log if name == "master" else st.client_log
-
-
-def _proc_state(pid: int) -> str | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[0]
 
 
 def _reap(pid: int) -> None:
@@ -708,11 +454,11 @@ def _reap(pid: int) -> None:
 
 def _pid_alive(pid: int) -> bool:
     """The process exists and is not a zombie (a zombie child of ours is reaped here)."""
-    state = _proc_state(pid)
+    state = procs.pid_status(pid)
     if state is None:
         _CHILDREN.discard(pid)
         return False
-    if state in ("Z", "X"):
+    if state in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
         if pid in _CHILDREN:
             # Our child: reap it. waitpid reports nothing until every thread of a
             # multi-threaded process has exited, so until then it counts as alive.
@@ -722,22 +468,14 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _pid_cmdline(pid: int) -> list[str] | None:
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return None
-    return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
-
-
 def _pid_matches(pid: int, cmd: list[str]) -> bool:
-    return _pid_alive(pid) and _pid_cmdline(pid) == list(cmd)
+    return _pid_alive(pid) and procs.pid_cmdline(pid) == list(cmd)
 
 
 def _terminate(pid: int, cmd: list[str] | None, grace_s: float) -> None:
     """SIGTERM, wait ``grace_s``, SIGKILL; re-checks the command line before each signal."""
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        if not _pid_alive(pid) or (cmd is not None and _pid_cmdline(pid) != list(cmd)):
+        if not _pid_alive(pid) or (cmd is not None and procs.pid_cmdline(pid) != list(cmd)):
             return
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
@@ -748,14 +486,8 @@ def _terminate(pid: int, cmd: list[str] | None, grace_s: float) -> None:
             time.sleep(0.05)
 
 
-@contextlib.contextmanager
-def _locked(sd: Path):
-    with open(sd / LOCK_FILE, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+def _locked(sd: Path) -> contextlib.AbstractContextManager[None]:
+    return procs.file_lock(sd / LOCK_FILE)
 
 
 # --------------------------------------------------------------------------
@@ -782,24 +514,23 @@ def _http_json(url: str, timeout: float) -> Any:
 
 
 def parse_prometheus(text: str | None) -> dict[str, float]:
-    """Unlabelled samples of a Prometheus text exposition: ``{name: value}``."""
+    """Unlabelled samples of a Prometheus text exposition: ``{name: value}``.
+
+    Parsed with ``prometheus_client``'s parser; text it cannot parse gives the
+    samples read before the bad line. The parser names every counter sample
+    ``<family>_total``; Mooncake exposes some counters without that suffix
+    (``master_evicted_key_count``), so a counter is also found under its family
+    name.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
     out: dict[str, float] = {}
-    for line in (text or "").splitlines():
-        if not line or line.startswith("#") or "{" in line:
-            continue
-        parts = line.split()
-        if len(parts) >= 2:
-            with contextlib.suppress(ValueError):
-                out[parts[0]] = float(parts[1])
+    with contextlib.suppress(ValueError, TypeError, IndexError):
+        for family in text_string_to_metric_families(text or ""):
+            for sample in family.samples:
+                if sample.labels:
+                    continue
+                out[sample.name] = float(sample.value)
+                if family.type == "counter" and sample.name == f"{family.name}_total":
+                    out.setdefault(family.name, float(sample.value))
     return out
-
-
-def _iso(t: float) -> str:
-    return _dt.datetime.fromtimestamp(t, _dt.timezone.utc).isoformat(timespec="seconds")
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"

@@ -12,10 +12,8 @@ sent alone).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -23,6 +21,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from lmcache_mooncake import procs
 
 
 @dataclass
@@ -96,13 +96,10 @@ class Instance:
         (self.work_dir / "stop").unlink(missing_ok=True)
         (self.work_dir / "spec.json").write_text(json.dumps(asdict(spec)))
         self.log_path = self.work_dir / "vllm.log"
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in _reap
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lmcache_mooncake.offline", str(self.work_dir)],
+        self.proc = procs.spawn(
+            [sys.executable, "-m", "lmcache_mooncake.testing.offline", str(self.work_dir)],
+            self.log_path,
             env=vllm_env(self.work_dir, spec.env, spec.kv_cache_gib),
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
         )
         self._batches = 0
 
@@ -139,26 +136,17 @@ class Instance:
             self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             self.kill()
-        self._reap()
+        # vLLM's own children are in the same session; make sure none outlives us.
+        procs.stop_group(self.proc)
         if self.proc.returncode != 0:
             raise RuntimeError(f"vLLM process exited with {self.proc.returncode}; {self._tail()}")
 
     def kill(self) -> None:
         """SIGKILL the child and every process it started."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-        self._reap()
-
-    def _reap(self) -> None:
-        # vLLM's own children are in the same session; make sure none outlives us.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self._log.close()
+        procs.stop_group(self.proc)
 
     def _tail(self) -> str:
-        lines = self.log_path.read_text(errors="replace").splitlines()[-40:]
-        return f"log {self.log_path}:\n" + "\n".join(lines)
+        return f"log {self.log_path}:\n" + procs.tail_log(self.log_path, 40)
 
     def __enter__(self) -> Instance:
         return self
@@ -182,6 +170,8 @@ def run_instance(spec: RunSpec, work_dir: Path | None = None) -> list[PromptResu
 def _child(work_dir: str) -> None:
     from vllm import LLM, SamplingParams
 
+    from lmcache_mooncake.serve import connector_config
+
     work = Path(work_dir)
     spec = RunSpec(**json.loads((work / "spec.json").read_text()))
     kwargs: dict[str, Any] = dict(
@@ -193,12 +183,7 @@ def _child(work_dir: str) -> None:
         enable_prefix_caching=spec.prefix_caching,
     )
     if spec.kv_role is not None:
-        kwargs["kv_transfer_config"] = {
-            "kv_connector": "LMCacheMooncakeConnector",
-            "kv_connector_module_path": "lmcache_mooncake.connector",
-            "kv_role": spec.kv_role,
-            "kv_connector_extra_config": spec.extra_config,
-        }
+        kwargs["kv_transfer_config"] = connector_config(spec.kv_role, spec.extra_config)
     llm = LLM(**kwargs)
 
     def request(tokens: list[int], salt: str | None) -> dict[str, Any]:

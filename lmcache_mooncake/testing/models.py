@@ -19,7 +19,6 @@ the same spec all end up returning the same complete folder.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import math
 import os
@@ -29,11 +28,11 @@ import struct
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from lmcache_mooncake.procs import file_lock
 
 __all__ = [
     "ARCHS",
@@ -185,7 +184,7 @@ def build_model(spec: ModelSpec, cache_dir: Path | None = None, force: bool = Fa
         return target  # fast path: no lock, no writes
 
     cache_dir.mkdir(parents=True, exist_ok=True)
-    with _locked(cache_dir / f".{name}.lock"):
+    with file_lock(cache_dir / f".{name}.lock"):
         if not force and _is_complete(target, spec):
             return target  # another process built it while we waited
         _remove_leftovers(cache_dir, name)
@@ -210,18 +209,6 @@ def _is_complete(folder: Path, spec: ModelSpec) -> bool:
         return json.loads((folder / MARKER).read_text()) == _marker_payload(spec)
     except (OSError, ValueError):
         return False
-
-
-@contextmanager
-def _locked(lock_path: Path) -> Iterator[None]:
-    # The lock file is never deleted: unlinking it would let a third process
-    # lock a fresh inode while a second still holds the old one.
-    with open(lock_path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _remove_leftovers(cache_dir: Path, name: str) -> None:
@@ -440,15 +427,11 @@ def _safetensors_param_count(path: Path) -> int:
     return sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
 
 
-def main_make_model(argv: list[str] | None = None) -> int:
-    """``lmcache-mooncake make-model``: build (or reuse) a model folder.
-
-    Prints the folder path as the last line of stdout and a one-line summary on
-    stderr; returns 0. Usage errors and ``--help`` exit via ``SystemExit`` as
-    usual for argparse.
-    """
-    parser = argparse.ArgumentParser(
-        prog="lmcache-mooncake make-model",
+def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
+    """Add ``make-model`` to the command line's subparsers."""
+    parser = subparsers.add_parser(
+        "make-model",
+        help=help,
         description=(
             "Generate a small, deterministic Hugging Face model folder (config.json, random\n"
             "bf16 model.safetensors, byte-level BPE tokenizer with a ChatML chat template)\n"
@@ -496,7 +479,17 @@ def main_make_model(argv: list[str] | None = None) -> int:
         help=f"cache folder to build into (default: ${ENV_CACHE_DIR} or ~/.cache/lmcache-mooncake/models)",
     )
     parser.add_argument("--force", action="store_true", help="rebuild even if a complete folder exists")
-    args = parser.parse_args(argv)
+    parser.set_defaults(run=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """``lmcache-mooncake make-model``: build (or reuse) a model folder.
+
+    Prints the folder path as the last line of stdout and a one-line summary on
+    stderr; returns 0. Usage errors and ``--help`` exit via ``SystemExit`` as
+    usual for argparse.
+    """
     try:
         spec = ModelSpec(
             arch=args.arch,
@@ -506,7 +499,7 @@ def main_make_model(argv: list[str] | None = None) -> int:
             max_position_embeddings=args.max_position_embeddings,
         )
     except ValueError as exc:
-        parser.error(str(exc))
+        args.parser.error(str(exc))
 
     cache_dir = args.out if args.out is not None else default_cache_dir()
     reused = not args.force and _is_complete(cache_dir / model_dir_name(spec), spec)
@@ -522,3 +515,10 @@ def main_make_model(argv: list[str] | None = None) -> int:
     )
     print(folder)
     return 0
+
+
+def main_make_model(argv: list[str] | None = None) -> int:
+    """``lmcache-mooncake make-model ARGV``."""
+    from lmcache_mooncake.cli import main
+
+    return main(["make-model", *(sys.argv[1:] if argv is None else argv)])

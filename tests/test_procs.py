@@ -1,0 +1,86 @@
+"""The process helpers: a child with its log, waiting for it, stopping its whole group, ports, locks, sizes."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from lmcache_mooncake import procs
+
+
+def test_spawn_logs_and_stop_group_takes_the_grandchildren(tmp_path):
+    log = tmp_path / "child.log"
+    # The child prints, starts a grandchild in its own group, and waits.
+    code = ("import subprocess, sys, time; print('hello from the child', flush=True); "
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)")
+    proc = procs.spawn([sys.executable, "-c", code], log, header="# header\n")
+    deadline = time.monotonic() + 20
+    while "hello from the child" not in procs.tail_log(log) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert procs.tail_log(log).splitlines()[:2] == ["# header", "hello from the child"]
+    while not psutil.Process(proc.pid).children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (grandchild,) = psutil.Process(proc.pid).children()
+    assert procs.pid_cmdline(proc.pid)[:2] == [sys.executable, "-c"]
+    procs.stop_group(proc, grace_s=5)
+    assert proc.returncode is not None
+    grandchild.wait(5)  # gone with its group
+    assert procs.pid_status(grandchild.pid) is None
+
+
+def test_tail_log_of_a_missing_file_says_so(tmp_path):
+    assert procs.tail_log(tmp_path / "nope.log") == "(no log)"
+    f = tmp_path / "long.log"
+    f.write_text("".join(f"line {i}\n" for i in range(100)))
+    assert procs.tail_log(f, 3) == "line 97\nline 98\nline 99"
+
+
+def test_wait_until_raises_what_it_is_given():
+    with pytest.raises(RuntimeError, match="died"):
+        procs.wait_until(lambda: False, alive=lambda: False, deadline=time.monotonic() + 5,
+                         on_exit=lambda: RuntimeError("died"), on_timeout=lambda: RuntimeError("slow"))
+    with pytest.raises(TimeoutError, match="slow"):
+        procs.wait_until(lambda: False, alive=lambda: True, deadline=time.monotonic() + 0.2, interval_s=0.05,
+                         on_exit=lambda: RuntimeError("died"), on_timeout=lambda: TimeoutError("slow"))
+    calls = []
+    procs.wait_until(lambda: calls.append(1) or len(calls) > 2, alive=lambda: True, deadline=time.monotonic() + 5,
+                     on_exit=RuntimeError, on_timeout=TimeoutError, interval_s=0.01)
+    assert len(calls) == 3
+
+
+def test_ports_and_can_connect():
+    port = procs.free_port()
+    assert not procs.port_in_use(port) and not procs.can_connect("127.0.0.1", port, 0.5)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        assert procs.port_in_use(port) and procs.can_connect("127.0.0.1", port, 0.5)
+        assert procs.free_port(exclude={port}) != port
+
+
+def test_file_lock_excludes_a_second_holder(tmp_path):
+    lock = tmp_path / "x.lock"
+    order = []
+
+    def second():
+        with procs.file_lock(lock):
+            order.append("second")
+
+    with procs.file_lock(lock):
+        t = threading.Thread(target=second)
+        t.start()
+        time.sleep(0.3)
+        order.append("first")
+    t.join(5)
+    assert order == ["first", "second"]
+
+
+@pytest.mark.parametrize(("n", "text"), [(0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (1536, "1.5 KiB"),
+                                          (3 << 20, "3.0 MiB"), (5 << 30, "5.0 GiB"), (2048 << 30, "2048.0 GiB")])
+def test_format_bytes(n, text):
+    assert procs.format_bytes(n) == text
