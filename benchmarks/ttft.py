@@ -211,8 +211,9 @@ class Profile:
 
 
 def ours(config_file: Path, role: str = "kv_both", **overrides: Any) -> dict[str, Any]:
-    return {"kv_connector": "LMCacheMooncakeConnector", "kv_connector_module_path": "lmcache_mooncake.connector",
-            "kv_role": role, "kv_connector_extra_config": {"config_file": str(config_file), **overrides}}
+    from lmcache_mooncake.serve import connector_config
+
+    return connector_config(role, {"config_file": str(config_file), **overrides})
 
 
 def write_config(path: Path, *, disk: Path | None, store: dict[str, str] | None, cpu_gib: float = 1.0) -> Path:
@@ -263,14 +264,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     peers = {p for p in args.peers.split(",") if p}
 
-    from lmcache_mooncake.models import ModelSpec, build_model
     from lmcache_mooncake.store.launcher import StoreSpec, start_store, stop_store
+    from lmcache_mooncake.testing.models import ModelSpec, build_model
 
     if args.quick:
         model = str(build_model(ModelSpec(arch="qwen2", size="small", seed=0)))
         bases = [512, 1024]
     else:
-        model = str(build_model(ModelSpec(arch="qwen2", size="0.5b", seed=0)))
+        model = str(build_model(ModelSpec(arch="qwen2", size="0.5b", seed=0, max_position_embeddings=16384)))
         bases = [2048, 4096, 8192]
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     rng = random.Random(0)

@@ -211,13 +211,14 @@ def build_engine(
     return engine
 
 
-def store_addresses(mc: MooncakeConfig) -> dict[str, str]:
-    """Where the Mooncake tier connects: the configured addresses, or for
-    ``auto`` those recorded by ``lmcache-mooncake store up``."""
+def store_endpoint(mc: MooncakeConfig) -> StoreEndpoint:
+    """Where the Mooncake tier (and warm-up) attach: the configured addresses over
+    TCP, or for ``auto`` the store recorded by ``lmcache-mooncake store up`` on
+    this host, over shared memory unless ``mode: tcp``."""
     if mc.master_address != "auto" and mc.metadata_server != "auto":
-        return {"master_addr": mc.master_address, "metadata_url": mc.metadata_server, "mode": "tcp"}
-    # The store of this host: shared memory is the faster way to reach it.
-    from lmcache_mooncake.store.launcher import StoreError, default_state_dir, read_state
+        return StoreEndpoint(mc.master_address, mc.metadata_server, "tcp")
+    from lmcache_mooncake.store.errors import StoreError
+    from lmcache_mooncake.store.state import default_state_dir, read_state
 
     state = read_state(mc.store_dir)
     if state is None:
@@ -227,18 +228,12 @@ def store_addresses(mc: MooncakeConfig) -> dict[str, str]:
             f"is recorded in {where}. Start one with 'lmcache-mooncake store up', or set "
             "mooncake.master_address and mooncake.metadata_server to a running store."
         )
-    return {
-        "master_addr": state.master_addr if mc.master_address == "auto" else mc.master_address,
-        "metadata_url": state.metadata_url if mc.metadata_server == "auto" else mc.metadata_server,
-        "client_addr": state.client_addr,
-        "mode": "tcp" if mc.mode == "tcp" or mc.master_address != "auto" else "shm",
-    }
-
-
-def store_endpoint(mc: MooncakeConfig) -> StoreEndpoint:
-    """:func:`store_addresses` as the typed endpoint the store client takes."""
-    a = store_addresses(mc)
-    return StoreEndpoint(a["master_addr"], a["metadata_url"], a.get("mode", "tcp"), a.get("client_addr", ""))
+    return StoreEndpoint(
+        master_addr=state.master_addr if mc.master_address == "auto" else mc.master_address,
+        metadata_url=state.metadata_url if mc.metadata_server == "auto" else mc.metadata_server,
+        mode="tcp" if mc.mode == "tcp" or mc.master_address != "auto" else "shm",
+        client_addr=state.client_addr,
+    )
 
 
 def _no_broadcast(tensor: torch.Tensor, src: int) -> None:

@@ -229,7 +229,8 @@ class _Router:
                 logger.warning("%s; trying the next %s instance", last.message, pool.role)
             except httpx.HTTPError as e:
                 raise _exception_error(pool.role, url, e) from e
-        assert last is not None
+        if last is None:  # the pool has no instances: build_app refuses that, so this is a bug
+            raise UpstreamError(503, f"no {pool.role} instance is configured", "service_unavailable")
         if len(pool.urls) > 1:
             last.message = f"no {pool.role} instance is reachable (last: {last.message})"
         raise last

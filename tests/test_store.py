@@ -96,11 +96,12 @@ def agent_main() -> None:
                 reply({"codes": client.batch_put(req["keys"], parts)})
             elif op == "get_visit":
                 seen: dict[int, bool] = {}
+                keys, size = req["keys"], req["size"]
 
-                def visit(i: int, data: memoryview) -> None:
-                    seen[i] = bool((np.frombuffer(data, np.uint8) == payload(req["keys"][i], req["size"])).all())
+                def visit(i: int, data: memoryview, keys=keys, size=size, seen=seen) -> None:
+                    seen[i] = bool((np.frombuffer(data, np.uint8) == payload(keys[i], size)).all())
 
-                codes = client.batch_get_visit(req["keys"], [req["size"]] * len(req["keys"]), visit)
+                codes = client.batch_get_visit(keys, [size] * len(keys), visit)
                 reply({"codes": codes, "exact": [seen.get(i, False) for i in range(len(codes))]})
             elif op == "exists":
                 r = client.batch_exists(req["keys"])

@@ -34,10 +34,6 @@ class LookupReply(msgspec.Struct):
     hit: int
 
 
-def socket_path(run_dir: Path, engine_id: str) -> Path:
-    return run_dir / f"lookup-{engine_id}.sock"
-
-
 class LookupServer:
     """Answers lookups on a background thread until :meth:`close`."""
 

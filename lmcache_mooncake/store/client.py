@@ -57,12 +57,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import ipaddress
 import logging
 import mmap
 import os
-import queue
 import socket
 import threading
 import time
@@ -71,79 +69,35 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from lmcache_mooncake.store.launcher import StoreError, missing_library_hint, read_state
+from lmcache_mooncake.procs import can_connect
+from lmcache_mooncake.store.binaries import missing_library_hint
+from lmcache_mooncake.store.calls import _ABANDONED, _Sized, _Worker
+from lmcache_mooncake.store.codes import (  # noqa: F401 - the client's return codes, re-exported
+    _CONNECTION_CODES,
+    ERR_BAD_BUFFER,
+    ERR_CLOSED,
+    ERR_INTERNAL,
+    ERR_TIMEOUT,
+    ERR_TOO_LARGE,
+    ERR_UNAVAILABLE,
+    INVALID_PARAMS,
+    NOT_FOUND,
+    OK,
+    RPC_FAIL,
+    RPC_TIMEOUT,
+    describe,
+)
+from lmcache_mooncake.store.errors import StoreError
+from lmcache_mooncake.store.staging import StagedTransfers
+from lmcache_mooncake.store.state import read_state
 
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 
-#: Success.
-OK = 0
-#: Mooncake OBJECT_NOT_FOUND: the key is not in the store.
-NOT_FOUND = -704
-#: Mooncake INVALID_PARAMS (e.g. destination buffer smaller than the object).
-INVALID_PARAMS = -600
-#: Mooncake RPC_FAIL / RPC_TIMEOUT: the master or a peer could not be reached.
-RPC_FAIL = -900
-RPC_TIMEOUT = -901
-
-#: The call did not finish within ``timeout_s``; it was abandoned (it may still complete).
-ERR_TIMEOUT = -10001
-#: The client is unhealthy (waiting to reconnect) or its worker is still busy with an abandoned call.
-ERR_UNAVAILABLE = -10002
-#: The object is larger than the staging region (``local_buffer_bytes``).
-ERR_TOO_LARGE = -10003
-#: The buffer is unusable: unsupported type, not contiguous, or read-only for a get.
-ERR_BAD_BUFFER = -10004
-#: The client was closed.
-ERR_CLOSED = -10005
-#: The Mooncake binding raised an exception (logged).
-ERR_INTERNAL = -10006
-
-_NAMES = {
-    0: "OK",
-    -1: "INTERNAL_ERROR",
-    -10: "BUFFER_OVERFLOW",
-    -101: "SEGMENT_NOT_FOUND",
-    -103: "CLIENT_NOT_FOUND",
-    -200: "NO_AVAILABLE_HANDLE (store full)",
-    -400: "INVALID_KEY",
-    -500: "WRITE_FAIL",
-    -600: "INVALID_PARAMS",
-    -700: "INVALID_WRITE",
-    -701: "INVALID_READ",
-    -703: "REPLICA_IS_NOT_READY",
-    -704: "OBJECT_NOT_FOUND",
-    -705: "OBJECT_ALREADY_EXISTS",
-    -706: "OBJECT_HAS_LEASE",
-    -707: "LEASE_EXPIRED",
-    -712: "REPLICA_IS_GONE",
-    -800: "TRANSFER_FAIL",
-    -801: "CHECKSUM_MISMATCH",
-    -900: "RPC_FAIL",
-    -901: "RPC_TIMEOUT",
-    ERR_TIMEOUT: "CLIENT_TIMEOUT",
-    ERR_UNAVAILABLE: "CLIENT_UNAVAILABLE",
-    ERR_TOO_LARGE: "TOO_LARGE_FOR_STAGING",
-    ERR_BAD_BUFFER: "BAD_BUFFER",
-    ERR_CLOSED: "CLIENT_CLOSED",
-    ERR_INTERNAL: "BINDING_ERROR",
-}
-
-#: Codes after which the client considers the master (or storage process) unreachable.
-_CONNECTION_CODES = frozenset({RPC_FAIL, RPC_TIMEOUT, -103})
 _PROBE_KEY = "__lmcache_mooncake_probe__"
 _ALIGN = 64
 _MADV_REMOVE = 9
-
-
-def describe(code: int) -> str:
-    """A readable name for a return code (``'OBJECT_NOT_FOUND (-704)'``)."""
-    if code > 0:
-        return f"{code} bytes"
-    return f"{_NAMES.get(code, 'ERROR')} ({code})"
 
 
 def _is_loopback(host: str) -> bool:
@@ -171,14 +125,6 @@ def _url_hostport(url: str) -> tuple[str, int]:
     return u.hostname, u.port
 
 
-def _can_connect(host: str, port: int, timeout: float) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=max(timeout, 0.01)):
-            return True
-    except OSError:
-        return False
-
-
 def _local_ip_towards(host: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
@@ -200,132 +146,11 @@ class StoreEndpoint:
 
 
 # --------------------------------------------------------------------------
-# Buffers
-# --------------------------------------------------------------------------
-
-
-class _Buf:
-    """A caller's buffer reduced to (address, size), or a torch device tensor, or parts."""
-
-    __slots__ = ("ptr", "nbytes", "tensor", "keep", "parts")
-
-    def __init__(self, ptr: int | None, nbytes: int, tensor: Any = None, keep: Any = None,
-                 parts: list[_Buf] | None = None):
-        self.ptr = ptr
-        self.nbytes = nbytes
-        self.tensor = tensor  # set only for non-CPU torch tensors (copied with torch)
-        self.keep = keep
-        self.parts = parts  # a put of several buffers stored back to back as one object
-
-
-def _resolve(buf: Any, writable: bool) -> _Buf | None:
-    if isinstance(buf, tuple) and not writable:
-        parts = [_resolve(b, writable) for b in buf]
-        if any(p is None for p in parts):
-            return None
-        return _Buf(None, sum(p.nbytes for p in parts), parts=parts)  # type: ignore[union-attr]
-    return _resolve_one(buf, writable)
-
-
-def _resolve_one(buf: Any, writable: bool) -> _Buf | None:
-    mod = type(buf).__module__ or ""
-    if mod.startswith("torch") and hasattr(buf, "data_ptr"):
-        t = buf
-        if not t.is_contiguous():
-            return None
-        nbytes = t.numel() * t.element_size()
-        if t.device.type == "cpu":
-            return _Buf(t.data_ptr(), nbytes, keep=t)
-        return _Buf(None, nbytes, tensor=t)
-    if isinstance(buf, np.ndarray):
-        if not buf.flags.c_contiguous or (writable and not buf.flags.writeable):
-            return None
-        return _Buf(int(buf.ctypes.data), int(buf.nbytes), keep=buf)
-    try:
-        mv = memoryview(buf)
-    except TypeError:
-        return None
-    if not mv.c_contiguous or (writable and mv.readonly):
-        return None
-    if mv.nbytes == 0:
-        return _Buf(0, 0, keep=mv)
-    arr = np.frombuffer(mv.cast("B"), dtype=np.uint8)
-    return _Buf(int(arr.ctypes.data), int(mv.nbytes), keep=(mv, arr))
-
-
-# --------------------------------------------------------------------------
-# Worker thread
-# --------------------------------------------------------------------------
-
-
-class _Job:
-    __slots__ = ("fn", "done", "result", "error")
-
-    def __init__(self, fn: Callable[[], Any]):
-        self.fn = fn
-        self.done = threading.Event()
-        self.result: Any = None
-        self.error: BaseException | None = None
-
-
-class _Worker:
-    """One daemon thread running Mooncake calls one at a time.
-
-    A daemon thread (not a ThreadPoolExecutor, whose threads are joined at
-    interpreter exit) so a call hung inside Mooncake cannot block exit.
-    """
-
-    def __init__(self, name: str):
-        self._q: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self.current: _Job | None = None
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            job = self._q.get()
-            if job is None:
-                return
-            try:
-                job.result = job.fn()
-            except BaseException as e:  # noqa: BLE001 - reported to the caller as ERR_INTERNAL
-                job.error = e
-            finally:
-                job.done.set()
-
-    def busy(self) -> bool:
-        job = self.current
-        return job is not None and not job.done.is_set()
-
-    def submit(self, fn: Callable[[], Any]) -> _Job:
-        job = _Job(fn)
-        self.current = job
-        self._q.put(job)
-        return job
-
-    def stop(self) -> None:
-        self._q.put(None)
-
-
-class _Sized:
-    """A get destination that is only a size: the bytes are handed to a visitor in staging."""
-
-    __slots__ = ("nbytes",)
-
-    def __init__(self, nbytes: int):
-        self.nbytes = int(nbytes)
-
-
-# Resources that an abandoned Mooncake call may still use; kept alive for the process.
-_ABANDONED: list[Any] = []
-
-
-# --------------------------------------------------------------------------
 # The client
 # --------------------------------------------------------------------------
 
 
-class StoreClient:
+class StoreClient(StagedTransfers):
     """Client to a Mooncake Store for one process. Thread-safe; calls are serialised.
 
     Build it with :meth:`connect` or :meth:`from_state`.
@@ -553,7 +378,7 @@ class StoreClient:
         if (now < self._next_attempt and not force) or self._worker.busy():
             return ERR_UNAVAILABLE
         for host, port in self._targets:
-            if not _can_connect(host, port, min(0.5, deadline - now)):
+            if not can_connect(host, port, max(min(0.5, deadline - now), 0.01)):
                 self._mark_unhealthy(f"nothing accepts connections at {host}:{port}")
                 return ERR_UNAVAILABLE
         if self._store is not None and self._probe_failures < self.rebuild_after:
@@ -670,18 +495,23 @@ class StoreClient:
 
         The call's own time starts once the lock is held: waiting behind
         another caller is not the store being slow, and must not mark the
-        client unhealthy. A caller so waits at most twice the timeout.
+        client unhealthy. A reconnection made first gets its own time too
+        (bounded by the same timeout), so a caller waits at most three times
+        the timeout.
         """
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         if not self._lock.acquire(timeout=timeout_s):
             self._stats["unavailable"] += 1
             return time.monotonic(), ERR_UNAVAILABLE
         deadline = time.monotonic() + timeout_s
+        was_healthy = self.healthy
         try:
             code = self._attempt(deadline)
         except BaseException:
             self._lock.release()
             raise
+        if code == OK and not was_healthy:
+            deadline = time.monotonic() + timeout_s
         if code != OK:
             self._stats["unavailable"] += 1
             self._lock.release()
@@ -750,160 +580,6 @@ class StoreClient:
         """
         return self._transfer(list(keys), [_Sized(n) for n in max_sizes], put=False, visit=visit)
 
-    def _transfer(self, keys: list[str], buffers: list[Any], put: bool, timeout_s: float | None = None,
-                  visit: Callable[[int, memoryview], None] | None = None) -> list[int]:
-        if len(keys) != len(buffers):
-            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
-        n = len(keys)
-        if n == 0:
-            return []
-        self._stats["put_calls" if put else "get_calls"] += 1
-        results = [ERR_BAD_BUFFER] * n
-        items: list[tuple[int, _Buf]] = []
-        sizes_by_index = [0] * n
-        for i, b in enumerate(buffers):
-            rb = _Buf(None, b.nbytes) if isinstance(b, _Sized) else _resolve(b, writable=not put)
-            if rb is None:
-                continue
-            sizes_by_index[i] = rb.nbytes
-            if rb.nbytes > self.local_buffer_bytes:
-                results[i] = ERR_TOO_LARGE
-                continue
-            items.append((i, rb))
-        # Pack into rounds that fit the staging region.
-        rounds: list[list[tuple[int, _Buf, int]]] = []
-        cur: list[tuple[int, _Buf, int]] = []
-        off = 0
-        for i, rb in items:
-            size = (rb.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-            if cur and off + size > self.local_buffer_bytes:
-                rounds.append(cur)
-                cur, off = [], 0
-            cur.append((i, rb, off))
-            off += size
-        if cur:
-            rounds.append(cur)
-        if rounds:
-            deadline, code = self._begin(timeout_s)
-            if code != OK:
-                for rnd in rounds:
-                    for i, _, _ in rnd:
-                        results[i] = code
-            else:
-                try:
-                    self._do_rounds(keys, rounds, results, deadline, put, visit)
-                finally:
-                    self._lock.release()
-        self._count(results, sizes_by_index, put)
-        return results
-
-    def _do_rounds(
-        self,
-        keys: list[str],
-        rounds: list[list[tuple[int, _Buf, int]]],
-        results: list[int],
-        deadline: float,
-        put: bool,
-        visit: Callable[[int, memoryview], None] | None = None,
-    ) -> None:
-        what = "batch_put_from" if put else "batch_get_into"
-        for r, rnd in enumerate(rounds):
-            code = self._attempt(deadline) if r else OK
-            if code == OK and time.monotonic() >= deadline:
-                code = ERR_TIMEOUT
-            if code != OK:
-                for later in rounds[r:]:
-                    for i, _, _ in later:
-                        results[i] = code
-                return
-            store, base = self._store, self._staging_ptr
-            rkeys = [keys[i] for i, _, _ in rnd]
-            ptrs = [base + off for _, _, off in rnd]
-            sizes = [rb.nbytes for _, rb, _ in rnd]
-            if put:
-                for _, rb, off in rnd:
-                    self._copy_in(rb, off)
-                fn = functools.partial(store.batch_put_from, rkeys, ptrs, sizes, self._replicate_config())
-            else:
-                fn = functools.partial(store.batch_get_into, rkeys, ptrs, sizes)
-            ok, val = self._run(fn, deadline, what)
-            if not ok:
-                for later in rounds[r:]:
-                    for i, _, _ in later:
-                        results[i] = val
-                return
-            codes = [int(v) for v in val] + [ERR_INTERNAL] * (len(rnd) - len(val))
-            for (i, rb, off), c in zip(rnd, codes, strict=False):
-                results[i] = c
-                if not put and c > 0:
-                    if visit is not None:
-                        visit(i, self._staging_view(off, min(c, rb.nbytes)))
-                    else:
-                        self._copy_out(rb, off, min(c, rb.nbytes))
-            self._check_codes(codes, what)
-            if not self._healthy:
-                for later in rounds[r + 1 :]:
-                    for i, _, _ in later:
-                        results[i] = ERR_UNAVAILABLE
-                return
-
-    def _replicate_config(self) -> Any:
-        """Mooncake's per-put replication settings (``replica_num`` copies)."""
-        if self._replicate is None:
-            from mooncake.store import ReplicateConfig
-
-            cfg = ReplicateConfig()
-            cfg.replica_num = self.replica_num
-            self._replicate = cfg
-        return self._replicate
-
-    def _torch_staging(self) -> Any:
-        import torch
-
-        if self._staging_tensor is None:
-            mem = (ctypes.c_char * self.local_buffer_bytes).from_address(self._staging_ptr)
-            self._staging_tensor = torch.frombuffer(mem, dtype=torch.uint8)
-        return self._staging_tensor
-
-    def _staging_view(self, off: int, n: int) -> memoryview:
-        return memoryview((ctypes.c_char * n).from_address(self._staging_ptr + off)).cast("B")
-
-    def _copy_in(self, rb: _Buf, off: int) -> None:
-        if rb.parts is not None:
-            for part in rb.parts:
-                self._copy_in(part, off)
-                off += part.nbytes
-            return
-        if rb.nbytes == 0:
-            return
-        if rb.tensor is not None:
-            self._torch_staging()[off : off + rb.nbytes].copy_(_tensor_bytes(rb.tensor))
-        else:
-            ctypes.memmove(self._staging_ptr + off, rb.ptr, rb.nbytes)
-
-    def _copy_out(self, rb: _Buf, off: int, n: int) -> None:
-        if rb.tensor is not None:
-            _tensor_bytes(rb.tensor)[:n].copy_(self._torch_staging()[off : off + n])
-        else:
-            ctypes.memmove(rb.ptr, self._staging_ptr + off, n)
-
-    def _count(self, results: list[int], sizes: list[int], put: bool) -> None:
-        s = self._stats
-        for c, size in zip(results, sizes, strict=True):
-            if put:
-                if c == OK:
-                    s["puts_ok"] += 1
-                    s["bytes_put"] += size
-                else:
-                    s["puts_failed"] += 1
-            elif c >= 0:
-                s["gets_hit"] += 1
-                s["bytes_got"] += c
-            elif c == NOT_FOUND:
-                s["gets_missed"] += 1
-            else:
-                s["gets_failed"] += 1
-
     # ------------------------------------------------------------------ close
 
     def close(self) -> None:
@@ -937,13 +613,6 @@ class StoreClient:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _tensor_bytes(t: Any) -> Any:
-    """A contiguous tensor's storage as a flat uint8 view (same memory)."""
-    import torch
-
-    return t.reshape(-1).view(torch.uint8)
 
 
 def _import_store() -> Any:

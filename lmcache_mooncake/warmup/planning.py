@@ -130,7 +130,7 @@ def quiet_stderr(log_path: Path | None) -> Iterator[None]:
 
 def connect(cfg: CacheConfig, log_path: Path | None) -> StoreClient:
     """A client of the store in ``cfg.mooncake``; :class:`WarmupError` if there is none or it cannot be reached."""
-    from lmcache_mooncake.engine import store_addresses
+    from lmcache_mooncake.engine import store_endpoint
     from lmcache_mooncake.store.client import StoreClient
     from lmcache_mooncake.store.errors import StoreError
 
@@ -138,13 +138,11 @@ def connect(cfg: CacheConfig, log_path: Path | None) -> StoreClient:
     if mc is None:
         raise WarmupError("the configuration has no 'mooncake:' section: there is no store to warm")
     try:
-        addr = store_addresses(mc)
+        endpoint = store_endpoint(mc)
         with quiet_stderr(log_path):
-            return StoreClient.connect(
-                addr["master_addr"], addr["metadata_url"], protocol=mc.protocol, rdma_devices=mc.rdma_devices,
-                local_buffer_bytes=1 << 20, timeout_s=max(mc.timeout, 5.0), mode=addr.get("mode", "tcp"),
-                client_addr=addr.get("client_addr", ""), local_hostname=mc.local_hostname,
-            )
+            # Existence checks only: a small staging region, and patience with a busy store.
+            return StoreClient.from_config(mc, endpoint, local_buffer_bytes=1 << 20,
+                                           timeout_s=max(mc.timeout, 5.0), connect_timeout_s=15.0)
     except StoreError as e:
         raise WarmupError(str(e)) from e
 

@@ -1,0 +1,196 @@
+"""Batches of puts and gets through the store client's registered staging region.
+
+:class:`StagedTransfers` is the part of :class:`~lmcache_mooncake.store.client.StoreClient`
+that packs a batch into rounds that fit the staging region (``local_buffer_bytes``),
+copies caller buffers in (puts) or out (gets, or hands the bytes to a visitor),
+and counts the results. The client provides the connection: ``_begin`` (the
+caller lock and a usable connection), ``_attempt``, ``_run`` (a Mooncake call
+with a deadline), ``_check_codes``, ``_store`` and ``_staging_ptr``.
+
+Why a staging region at all: a call that timed out keeps running inside
+Mooncake, and it must never read or write memory the caller already got back.
+The staging region belongs to the client for its lifetime, so an abandoned
+call only ever touches it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+from lmcache_mooncake.store.calls import _Buf, _resolve, _Sized, _tensor_bytes
+from lmcache_mooncake.store.codes import (
+    ERR_BAD_BUFFER,
+    ERR_INTERNAL,
+    ERR_TIMEOUT,
+    ERR_TOO_LARGE,
+    ERR_UNAVAILABLE,
+    NOT_FOUND,
+    OK,
+)
+
+_ALIGN = 64
+
+
+class StagedTransfers:
+    """Mixin of :class:`StoreClient`: batched transfers through the staging region."""
+
+    def _transfer(self, keys: list[str], buffers: list[Any], put: bool, timeout_s: float | None = None,
+                  visit: Callable[[int, memoryview], None] | None = None) -> list[int]:
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        n = len(keys)
+        if n == 0:
+            return []
+        self._stats["put_calls" if put else "get_calls"] += 1
+        results = [ERR_BAD_BUFFER] * n
+        items: list[tuple[int, _Buf]] = []
+        sizes_by_index = [0] * n
+        for i, b in enumerate(buffers):
+            rb = _Buf(None, b.nbytes) if isinstance(b, _Sized) else _resolve(b, writable=not put)
+            if rb is None:
+                continue
+            sizes_by_index[i] = rb.nbytes
+            if rb.nbytes > self.local_buffer_bytes:
+                results[i] = ERR_TOO_LARGE
+                continue
+            items.append((i, rb))
+        # Pack into rounds that fit the staging region.
+        rounds: list[list[tuple[int, _Buf, int]]] = []
+        cur: list[tuple[int, _Buf, int]] = []
+        off = 0
+        for i, rb in items:
+            size = (rb.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+            if cur and off + size > self.local_buffer_bytes:
+                rounds.append(cur)
+                cur, off = [], 0
+            cur.append((i, rb, off))
+            off += size
+        if cur:
+            rounds.append(cur)
+        if rounds:
+            deadline, code = self._begin(timeout_s)
+            if code != OK:
+                for rnd in rounds:
+                    for i, _, _ in rnd:
+                        results[i] = code
+            else:
+                try:
+                    self._do_rounds(keys, rounds, results, deadline, put, visit)
+                finally:
+                    self._lock.release()
+        self._count(results, sizes_by_index, put)
+        return results
+
+    def _do_rounds(
+        self,
+        keys: list[str],
+        rounds: list[list[tuple[int, _Buf, int]]],
+        results: list[int],
+        deadline: float,
+        put: bool,
+        visit: Callable[[int, memoryview], None] | None = None,
+    ) -> None:
+        what = "batch_put_from" if put else "batch_get_into"
+        for r, rnd in enumerate(rounds):
+            code = self._attempt(deadline) if r else OK
+            if code == OK and time.monotonic() >= deadline:
+                code = ERR_TIMEOUT
+            if code != OK:
+                for later in rounds[r:]:
+                    for i, _, _ in later:
+                        results[i] = code
+                return
+            store, base = self._store, self._staging_ptr
+            rkeys = [keys[i] for i, _, _ in rnd]
+            ptrs = [base + off for _, _, off in rnd]
+            sizes = [rb.nbytes for _, rb, _ in rnd]
+            if put:
+                # Our own copy is not the store's time: the call's deadline moves with it.
+                t_copy = time.monotonic()
+                for _, rb, off in rnd:
+                    self._copy_in(rb, off)
+                deadline += time.monotonic() - t_copy
+                fn = functools.partial(store.batch_put_from, rkeys, ptrs, sizes, self._replicate_config())
+            else:
+                fn = functools.partial(store.batch_get_into, rkeys, ptrs, sizes)
+            ok, val = self._run(fn, deadline, what)
+            if not ok:
+                for later in rounds[r:]:
+                    for i, _, _ in later:
+                        results[i] = val
+                return
+            codes = [int(v) for v in val] + [ERR_INTERNAL] * (len(rnd) - len(val))
+            for (i, rb, off), c in zip(rnd, codes, strict=False):
+                results[i] = c
+                if not put and c > 0:
+                    if visit is not None:
+                        visit(i, self._staging_view(off, min(c, rb.nbytes)))
+                    else:
+                        self._copy_out(rb, off, min(c, rb.nbytes))
+            self._check_codes(codes, what)
+            if not self._healthy:
+                for later in rounds[r + 1 :]:
+                    for i, _, _ in later:
+                        results[i] = ERR_UNAVAILABLE
+                return
+
+    def _replicate_config(self) -> Any:
+        """Mooncake's per-put replication settings (``replica_num`` copies)."""
+        if self._replicate is None:
+            from mooncake.store import ReplicateConfig
+
+            cfg = ReplicateConfig()
+            cfg.replica_num = self.replica_num
+            self._replicate = cfg
+        return self._replicate
+
+    def _torch_staging(self) -> Any:
+        import torch
+
+        if self._staging_tensor is None:
+            mem = (ctypes.c_char * self.local_buffer_bytes).from_address(self._staging_ptr)
+            self._staging_tensor = torch.frombuffer(mem, dtype=torch.uint8)
+        return self._staging_tensor
+
+    def _staging_view(self, off: int, n: int) -> memoryview:
+        return memoryview((ctypes.c_char * n).from_address(self._staging_ptr + off)).cast("B")
+
+    def _copy_in(self, rb: _Buf, off: int) -> None:
+        if rb.parts is not None:
+            for part in rb.parts:
+                self._copy_in(part, off)
+                off += part.nbytes
+            return
+        if rb.nbytes == 0:
+            return
+        if rb.tensor is not None:
+            self._torch_staging()[off : off + rb.nbytes].copy_(_tensor_bytes(rb.tensor))
+        else:
+            ctypes.memmove(self._staging_ptr + off, rb.ptr, rb.nbytes)
+
+    def _copy_out(self, rb: _Buf, off: int, n: int) -> None:
+        if rb.tensor is not None:
+            _tensor_bytes(rb.tensor)[:n].copy_(self._torch_staging()[off : off + n])
+        else:
+            ctypes.memmove(rb.ptr, self._staging_ptr + off, n)
+
+    def _count(self, results: list[int], sizes: list[int], put: bool) -> None:
+        s = self._stats
+        for c, size in zip(results, sizes, strict=True):
+            if put:
+                if c == OK:
+                    s["puts_ok"] += 1
+                    s["bytes_put"] += size
+                else:
+                    s["puts_failed"] += 1
+            elif c >= 0:
+                s["gets_hit"] += 1
+                s["bytes_got"] += c
+            elif c == NOT_FOUND:
+                s["gets_missed"] += 1
+            else:
+                s["gets_failed"] += 1
