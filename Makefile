@@ -20,6 +20,7 @@ demo-single: setup
 # and plots go to benchmarks/results/.
 bench: setup
 	.venv/bin/python benchmarks/layout_copy.py
+	.venv/bin/python benchmarks/tier_load.py
 	.venv/bin/python benchmarks/ttft.py --profile
 	.venv/bin/python benchmarks/store_throughput.py
 	.venv/bin/python benchmarks/warmup_throughput.py

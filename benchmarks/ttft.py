@@ -468,12 +468,7 @@ def print_table(run: Run, kv_bytes_per_token: int) -> None:
         print("profile of the worker during the longest cached load from the disk tier (py-spy, 200 Hz, s):")
         for cat, secs in run.profile.items():
             print(f"  {cat:45s} {secs:6.3f}")
-    for name, st in run.load_stats.items():
-        us, toks = st.get("load_us", 0), st.get("loaded_tokens", 0)
-        if us and toks and kv_bytes_per_token:
-            gbps = toks * kv_bytes_per_token / (us / 1e6) / 1e9
-            print(f"  load into paged KV, {name}: {gbps:.2f} GB/s = {gbps / run.memcpy_gbps:.2f} of memcpy "
-                  f"(worker time in start_load_kv, {toks} tokens)")
+    print("  load and save bandwidth per tier against memcpy: benchmarks/tier_load.py")
 
 
 def plot(run: Run, path: Path) -> None:

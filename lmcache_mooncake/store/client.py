@@ -452,6 +452,9 @@ class StoreClient(StagedTransfers):
                 self._staging_mem = mm
                 self._staging_ptr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
             ptr, mem = self._staging_ptr, self._staging_mem
+        # Touch every page now, at connect: a first load would otherwise pay the
+        # page faults (about 3x a warm copy of the same bytes, measured).
+        ctypes.memset(ptr, 0, size)
         rc = store.register_buffer(ptr, size)
         if rc != 0:
             return f"register_buffer of the {size}-byte staging region returned {rc}"
