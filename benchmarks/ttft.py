@@ -166,6 +166,12 @@ PROFILE_CATEGORIES = [
 ]
 
 
+# Stacks of a thread that waits (vLLM's worker waiting for the next step, the lookup
+# server polling): not time spent on the request.
+IDLE = ("acquire_read", "SpinCondition", "wait (threading", "select (selectors", "_poll", "recv_multipart",
+        "sleep")
+
+
 class Profile:
     """py-spy on a server's vLLM worker process for the duration of a ``with`` block."""
 
@@ -199,8 +205,7 @@ class Profile:
             return totals
         for line in self.out.read_text().splitlines():
             stack, _, count = line.rpartition(" ")
-            if not count.isdigit() or any(w in stack for w in ("wait (threading", "select (selectors", "_poll",
-                                                                 "recv_multipart", "sleep")):
+            if not count.isdigit() or not stack.strip() or any(w in stack for w in IDLE):
                 continue
             cat = next((name for name, words in PROFILE_CATEGORIES if any(w in stack for w in words)), "other")
             totals[cat] = totals.get(cat, 0.0) + int(count) / 200
@@ -261,7 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=None, help="work folder (default: a temp folder)")
     ap.add_argument("--profile", action="store_true",
                     help="profile the vLLM worker with py-spy during the longest cached load from the disk tier")
+    ap.add_argument("--replot", type=Path, default=None, help="print the table and redraw the plot of a JSON result")
     args = ap.parse_args(argv)
+    if args.replot:
+        replot(args.replot)
+        return 0
     peers = {p for p in args.peers.split(",") if p}
 
     from lmcache_mooncake.store.launcher import StoreSpec, start_store, stop_store
@@ -480,22 +489,31 @@ def plot(run: Run, path: Path) -> None:
     except ImportError:
         print("matplotlib is not installed: no plot")
         return
-    configs = [c for c in dict.fromkeys(m.config for m in run.rows) if "writing" not in c]
+    skip = ("writing", "short request", "recompute")
+    configs = [c for c in dict.fromkeys(m.config for m in run.rows) if not any(w in c for w in skip)]
     lengths = sorted(set(run.lengths))
-    fig, ax = plt.subplots(figsize=(11, 5.5))
+    colors = plt.get_cmap("tab10").colors
+    fig, ax = plt.subplots(figsize=(12, 5.5))
     width = 0.8 / max(len(configs), 1)
     for i, c in enumerate(configs):
         ys = [next((m.ttft_s for m in run.rows if m.config == c and m.prompt_tokens == n), 0) for n in lengths]
-        ax.bar([x + i * width for x in range(len(lengths))], ys, width, label=c)
+        ax.bar([x + i * width for x in range(len(lengths))], ys, width, label=c, color=colors[i % len(colors)])
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(lengths))], [str(n) for n in lengths])
     ax.set_yscale("log")
-    ax.set_ylabel("time to first token (s, log scale)")
-    ax.set_xlabel("prompt tokens")
-    ax.set_title("Cached TTFT by configuration (one run, 2 CPU cores)")
-    ax.legend(fontsize=7, ncol=2)
+    ax.set_ylabel("time to first token, cached prompt (s, log scale)")
+    ax.set_xlabel("prompt tokens (block-aligned, and one past)")
+    ax.set_title("Cached TTFT, one run on one store (2 CPU cores, Qwen2-0.5B shape, float32)")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
+
+def replot(json_path: Path) -> None:
+    data = json.loads(json_path.read_text())
+    run = Run(model=data["model"], lengths=data["lengths"], rows=[Measure(**m) for m in data["rows"]],
+              memcpy_gbps=data.get("memcpy_gbps", 0.0), profile=data.get("profile", {}))
+    print_table(run, data.get("kv_bytes_per_token", 0))
+    plot(run, json_path.with_suffix(".png"))
 
 if __name__ == "__main__":
     sys.exit(main())
