@@ -42,7 +42,7 @@ def child(args: argparse.Namespace) -> None:
 
     from lmcache_mooncake import engine, layouts
     from lmcache_mooncake.config import CacheConfig, MooncakeConfig
-    from lmcache_mooncake.keys import namespace_for
+    from lmcache_mooncake.keys import KeyNamespace
 
     torch.set_num_threads(1)
     tokens = torch.arange(args.tokens) % 2000 + 7
@@ -54,7 +54,7 @@ def child(args: argparse.Namespace) -> None:
                             local_buffer_size=512 << 20, timeout=10.0, put_timeout=30.0)
     disk = args.disk if args.tier in ("disk", "cpu") else None
     cfg = CacheConfig(max_local_cpu_size=1.0, local_disk=disk, mooncake=mc)
-    ns = namespace_for("bench", "float32", L, H, D, 256)
+    ns = KeyNamespace("bench", "float32", L, H, D, 256)
     layout = layouts.layout_for_backend("CPU_ATTN")
     name = f"bench-{args.role}-{args.tier}"
     eng = engine.build_engine(cfg, ns, layout, torch.float32, name)
