@@ -26,8 +26,12 @@ Rows (``--peers`` chooses the peers; all by default):
   the same store (TCP), prefix caching on (with it off it never loads).
 - ``vLLM ExampleConnector``: vLLM's file-based example connector (it needs
   ``--max-num-batched-tokens`` above the prompt, else it crashes on chunked prefill).
+- ``LMCache multi-process``: an ``lmcache server`` (2 GiB L1) and vLLM's
+  ``LMCacheMPConnector``; fresh vLLM processes read what the writer stored.
+- ``vLLM OffloadingConnector``: vLLM's in-process CPU tier (prefix caching off,
+  so a repeat is served by it), measured in the writing process.
 
-    .venv/bin/python benchmarks/ttft.py [--quick] [--peers mooncake,example] [--json PATH]
+    .venv/bin/python benchmarks/ttft.py [--quick] [--peers mooncake,example,lmcache,offloading] [--json PATH]
 
 ``--quick`` uses a small model and shorter prompts (a smoke run in minutes).
 Prints a table, writes JSON and a PNG under ``benchmarks/results/``.
@@ -233,17 +237,9 @@ def write_config(path: Path, *, disk: Path | None, store: dict[str, str] | None,
 
 
 def memcpy_gbps(nbytes: int) -> float:
-    import torch
+    from tier_load import memcpy_s  # the same baseline as the per-tier benchmark
 
-    src = torch.randn(nbytes // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = 1e9
-    for _ in range(5):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
+    return nbytes / memcpy_s(nbytes) / 1e9
 
 
 def read_worker_stats(run_dir: Path) -> dict[str, int]:
@@ -260,8 +256,10 @@ def read_worker_stats(run_dir: Path) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small model, short prompts: a smoke run")
-    ap.add_argument("--peers", default="mooncake,example",
-                    help="comma-separated peers to run: mooncake, example (default both); '' for none")
+    ap.add_argument("--peers", default="mooncake,example,lmcache,offloading",
+                    help="comma-separated peers to run: mooncake (vLLM's MooncakeStoreConnector), example "
+                    "(ExampleConnector), lmcache (LMCache's multi-process mode), offloading (vLLM's "
+                    "OffloadingConnector, in-process CPU tier); default all; '' for none")
     ap.add_argument("--json", type=Path, default=RESULTS / "ttft.json")
     ap.add_argument("--work", type=Path, default=None, help="work folder (default: a temp folder)")
     ap.add_argument("--profile", action="store_true",
@@ -296,6 +294,22 @@ def main(argv: list[str] | None = None) -> int:
         t, cached = server.ttft(tokens)
         run.rows.append(Measure(config, len(tokens), t, cached, note))
         print(f"  {config:40s} {len(tokens):6d} tokens  TTFT {t * 1000:9.1f} ms  cached {cached}", flush=True)
+
+    def peer(label: str, name: str, kv: dict[str, Any], **server_kw: Any) -> None:
+        """A peer connector: one writer computes every family, then fresh readers (prefix caching on,
+        as vLLM's own connectors want it) measure the one-past and the aligned prompts."""
+        s = Server(f"{name}-writer", model, work, kv, True, max_len, **server_kw)
+        servers.append(s)
+        for fam in families.values():
+            record(f"{label}, writing", fam, s)
+        time.sleep(2)  # let its background writes finish
+        s.stop()
+        for which in ("past", "aligned"):
+            s = Server(f"{name}-{which}", model, work, kv, True, max_len, **server_kw)
+            servers.append(s)
+            for b, fam in families.items():
+                record(f"{label}, fresh process", fam if which == "past" else fam[:b], s)
+            s.stop()
 
     store_dir = work / "store"
     st = start_store(StoreSpec(state_dir=store_dir, memory_bytes=2 << 30))
@@ -375,32 +389,30 @@ def main(argv: list[str] | None = None) -> int:
                 "local_buffer_size": "1GB"}))
             env = {"MOONCAKE_CONFIG_PATH": str(mc_json), "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
             kv = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
-            s = Server("mooncake-writer", model, work, kv, True, max_len, env=env)
-            servers.append(s)
-            for fam in families.values():
-                record("vLLM MooncakeStoreConnector, writing", fam, s)
-            time.sleep(2)
-            s.stop()
-            for which in ("past", "aligned"):
-                s = Server(f"mooncake-{which}", model, work, kv, True, max_len, env=env)
-                servers.append(s)
-                for b, fam in families.items():
-                    record("vLLM MooncakeStoreConnector, fresh process", fam if which == "past" else fam[:b], s)
-                s.stop()
+            peer("vLLM MooncakeStoreConnector", "mooncake", kv, env=env)
         if "example" in peers:
             kv = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                   "kv_connector_extra_config": {"shared_storage_path": str(work / "example-store")}}
-            extra = ["--max-num-batched-tokens", str(max_len)]
-            s = Server("example-writer", model, work, kv, True, max_len, extra=extra)
-            servers.append(s)
-            for fam in families.values():
-                record("vLLM ExampleConnector, writing", fam, s)
-            s.stop()
-            for which in ("past", "aligned"):
-                s = Server(f"example-{which}", model, work, kv, True, max_len, extra=extra)
+            peer("vLLM ExampleConnector", "example", kv, extra=["--max-num-batched-tokens", str(max_len)])
+        if "lmcache" in peers:
+            with lmcache_server(work) as port:
+                kv = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+                      "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port}}
+                peer("LMCache multi-process", "lmcache-mp", kv)
+        if "offloading" in peers:
+            kv = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                  "kv_connector_extra_config": {"cpu_bytes_to_use": 2 << 30}}
+            try:
+                s = Server("offloading", model, work, kv, False, max_len)
+            except RuntimeError as e:
+                print(f"  vLLM OffloadingConnector does not start on this build: {str(e)[:300]}", flush=True)
+                run.rows.append(Measure("vLLM OffloadingConnector, same process", 0, 0.0, 0, note="did not start"))
+            else:
                 servers.append(s)
                 for b, fam in families.items():
-                    record("vLLM ExampleConnector, fresh process", fam if which == "past" else fam[:b], s)
+                    record("vLLM OffloadingConnector, writing", fam, s)
+                    record("vLLM OffloadingConnector, same process", fam, s)
+                    record("vLLM OffloadingConnector, same process", fam[:b], s)
                 s.stop()
     finally:
         for s in servers:
@@ -416,6 +428,37 @@ def main(argv: list[str] | None = None) -> int:
     plot(run, args.json.with_suffix(".png"))
     print(f"\nwrote {args.json} and {args.json.with_suffix('.png')}")
     return 0
+
+
+@contextlib.contextmanager
+def lmcache_server(work: Path) -> Any:
+    """LMCache's multi-process server (2 GiB L1) on a free loopback port; yields the port."""
+    import socket
+
+    port = free_port()
+    log = work / "lmcache-server.log"
+    with open(log, "w") as f:
+        lm = subprocess.Popen([str(Path(PY).with_name("lmcache")), "server", "--host", "127.0.0.1", "--port",
+                               str(port), "--l1-size-gb", "2", "--chunk-size", "256"],
+                              stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                              env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            if lm.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"lmcache server did not start; see {log}")
+            time.sleep(0.5)
+        yield port
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(lm.pid, signal.SIGTERM)
+        try:
+            lm.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(lm.pid, signal.SIGKILL)
+            lm.wait()
 
 
 def _short_during_load(server: Server, long_prompt: list[int], short: list[int]) -> tuple[float, float]:

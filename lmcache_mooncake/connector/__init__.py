@@ -120,22 +120,34 @@ class LMCacheMooncakeConnector(KVConnectorBase_V1):
             )
         logger.info("LMCacheMooncakeConnector (%s, %s) config: %s", role.name, ktc.kv_role, self.cfg)
 
+    def _worker_side(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("a worker-side call reached the scheduler-side LMCacheMooncakeConnector")
+        return self._worker
+
+    def _scheduler_side(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError("a scheduler-side call reached the worker-side LMCacheMooncakeConnector")
+        return self._scheduler
+
+    def _step_metadata(self) -> StepMetadata:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, StepMetadata):
+            raise RuntimeError(f"expected this connector's StepMetadata from the scheduler, got {type(meta).__name__}")
+        return meta
+
     # ==============================
     # Worker side
     # ==============================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Worker: called once with every layer's paged KV tensor, in layer order."""
-        assert self._worker is not None
-        self._worker.register_kv_caches(kv_caches)
+        self._worker_side().register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Worker: start this step's planned loads. Asynchronous ones run on a
         loader thread while the step goes on (their requests are not in it);
         synchronous ones are in paged KV when this returns."""
-        assert self._worker is not None
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, StepMetadata)
-        self._worker.start_load_kv(meta)
+        self._worker_side().start_load_kv(self._step_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Worker: nothing to wait for: a request runs only once its load is complete."""
@@ -147,18 +159,14 @@ class LMCacheMooncakeConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         """Worker: copy out and store the prompts this step finished computing."""
-        assert self._worker is not None
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, StepMetadata)
-        self._worker.save(meta)
+        self._worker_side().save(self._step_metadata())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Worker: a producer's finished requests whose chunks are now written
         (vLLM frees their blocks then), and requests whose asynchronous load
         ended (vLLM schedules them then; failed blocks follow in
         get_block_ids_with_load_errors of the same step)."""
-        assert self._worker is not None
-        return self._worker.get_finished(finished_req_ids)
+        return self._worker_side().get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Worker: blocks whose planned load failed this step; vLLM recomputes them."""
@@ -179,20 +187,16 @@ class LMCacheMooncakeConnector(KVConnectorBase_V1):
         whether they load asynchronously (``async_loading``, default on). Looks them up
         (a lookup is a question to the worker, bounded by ``lookup_timeout``);
         ``None`` while a consumer waits for chunks a producer promised."""
-        assert self._scheduler is not None
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Scheduler: blocks are allocated; remember to load ``num_external_tokens``."""
-        assert self._scheduler is not None
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        self._scheduler_side().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """Scheduler: this step's loads and saves, for the workers."""
-        assert self._scheduler is not None
-        return self._scheduler.build_connector_meta(scheduler_output)
+        return self._scheduler_side().build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Scheduler: the blocks can be freed at once (saves copy out within their step)."""
-        assert self._scheduler is not None
-        return self._scheduler.request_finished(request, block_ids)
+        return self._scheduler_side().request_finished(request, block_ids)

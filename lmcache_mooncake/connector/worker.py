@@ -56,7 +56,7 @@ class WorkerSide:
         self._failed_blocks: set[int] = set()
         # Asynchronous loads in flight, by request; one loader thread.
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="lmcm-load")
-        self._loading: dict[str, Future] = {}
+        self._loading: dict[str, tuple[Future, LoadOp]] = {}
         # Producer: keys of each request's saved chunks, until they are written
         # everywhere; and the requests vLLM has finished and waits on.
         self.producer = producer
@@ -84,9 +84,13 @@ class WorkerSide:
             self.layout.name, len(self.kv_caches), self.namespace.hex(), self.cfg.disk_path,
         )
 
+    def _require_engine(self) -> None:
+        if self.engine is None:
+            raise RuntimeError("the connector's engine is not built: vLLM has not called register_kv_caches yet")
+
     # -- lookups (called on the lookup server's thread) --------------------
     def lookup(self, tokens: list[int], salt: str | None, lora: str | None) -> int:
-        assert self.engine is not None
+        self._require_engine()
         t0 = time.perf_counter()
         hit = self.engine.lookup(tokens=tokens, request_configs=request_configs(salt, lora))
         self.stats.add("lookups")
@@ -101,13 +105,13 @@ class WorkerSide:
         others here, done when this returns."""
         for op in meta.loads:
             if op.asynchronous:
-                self._loading[op.req_id] = self._loader.submit(self._load, op)
+                self._loading[op.req_id] = (self._loader.submit(self._load, op), op)
             else:
                 self._failed_blocks.update(self._load(op))
 
     def _load(self, op: LoadOp) -> set[int]:
         """Load one request's planned chunks; returns the blocks that were not loaded."""
-        assert self.engine is not None
+        self._require_engine()
         tokens = torch.tensor(op.token_ids, dtype=torch.long)
         slots = torch.tensor(op.slots, dtype=torch.long)
         # Chunks wholly before `start` are not read at all.
@@ -155,7 +159,7 @@ class WorkerSide:
         self.stats.dump(self.stats_path)
 
     def _save(self, op: SaveOp) -> None:
-        assert self.engine is not None
+        self._require_engine()
         tokens = torch.tensor(op.token_ids, dtype=torch.long)
         mask = torch.ones(len(tokens), dtype=torch.bool)
         mask[: op.skip] = False
@@ -194,12 +198,14 @@ class WorkerSide:
         """``(saved, loaded)``: a producer's finished requests whose chunks are now
         written to every tier, and requests whose asynchronous load has ended
         (its failed blocks are reported by :meth:`take_failed_blocks` in the same step)."""
-        loaded = {r for r, f in self._loading.items() if f.done()}
+        loaded = {r for r, (f, _) in self._loading.items() if f.done()}
         for r in loaded:
+            future, op = self._loading.pop(r)
             try:
-                self._failed_blocks.update(self._loading.pop(r).result())
-            except Exception:  # _load catches its own; this is a bug, not a miss
-                logger.exception("request %s: the background load failed", r)
+                self._failed_blocks.update(future.result())
+            except Exception:  # _load catches its own errors; never let vLLM use unloaded blocks
+                logger.exception("request %s: the background load failed; vLLM will recompute", r)
+                self._failed_blocks.update(op.block_ids[op.start // self.block_size : -(-op.end // self.block_size)])
         return self._saved(finished_req_ids), (loaded or None)
 
     def _saved(self, finished_req_ids: set[str]) -> set[str] | None:
