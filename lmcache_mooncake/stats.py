@@ -57,7 +57,7 @@ class Stats:
             self._dirty = False
             self._last_dump = now
         data = self.snapshot()
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_text(json.dumps(data, sort_keys=True))
         os.replace(tmp, path)
 

@@ -151,6 +151,9 @@ class WorkerSide:
         self.stats.add("loaded_tokens", max(min(loaded, op.end) - op.start, 0))
         self.stats.add("load_us", int((time.perf_counter() - t0) * 1e6))
         self.stats.add("loads_async" if op.asynchronous else "loads_sync")
+        # On disk before vLLM hears the load is done: whoever reads the counters
+        # after the request's answer sees this load in them.
+        self.stats.dump(self.stats_path, force=True)
         return set(bad)
 
     def save(self, meta: StepMetadata) -> None:
