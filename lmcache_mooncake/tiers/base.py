@@ -156,7 +156,7 @@ class VerifiedTier(RemoteConnector):
         obj = self.local_cpu_backend.allocate(
             [torch.Size(header.shape)], [header.dtype], MemoryFormat.KV_2LTD, busy_loop=busy_loop
         )
-        if obj is None:
+        if obj is None and busy_loop:
             logger.warning("%s: no CPU memory to stage a chunk; treating it as a miss", self.PLUGIN_NAME)
         return obj
 

@@ -145,6 +145,22 @@ class DiskTierConnector(VerifiedTier):
             self._verified[str(path)] = (st.st_size, st.st_mtime_ns)
         return obj
 
+    def _verify_unkept(self, path: Path, key: CacheEngineKey) -> bool:
+        try:
+            data = path.read_bytes()
+            st = path.stat()
+        except FileNotFoundError:
+            return False
+        try:
+            header = chunk_format.parse_header(data, key.to_string())
+            chunk_format.verify(header, memoryview(data)[header.payload_offset :])
+        except chunk_format.ChunkVerificationError as e:
+            self._discard_bad(path, str(e))
+            return False
+        with self._lock:
+            self._verified[str(path)] = (st.st_size, st.st_mtime_ns)
+        return True
+
     # -- VerifiedTier --------------------------------------------------------
     def _contains_prefix(self, keys_: list[CacheEngineKey]) -> int:
         hits = 0
@@ -169,7 +185,9 @@ class DiskTierConnector(VerifiedTier):
         # Checked once, and kept in the CPU tier for the load that follows.
         obj = self._read_verified(path, key, busy_loop=False)
         if obj is None:
-            return False
+            # No CPU memory to keep it (or it was damaged and is gone): check it
+            # without keeping it, so a full CPU tier does not turn hits into misses.
+            return self._verify_unkept(path, key)
         # A disk hit: this chunk is served from what was read here.
         self.stats.add("disk_hits")
         self.stats.add("disk_verified_on_lookup")
