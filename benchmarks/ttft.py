@@ -264,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=None, help="work folder (default: a temp folder)")
     ap.add_argument("--profile", action="store_true",
                     help="profile the vLLM worker with py-spy during the longest cached load from the disk tier")
+    ap.add_argument("--peers-only", action="store_true",
+                    help="run plain vLLM (recompute and the floor) and the peers, not our configurations")
     ap.add_argument("--replot", type=Path, default=None, help="print the table and redraw the plot of a JSON result")
     args = ap.parse_args(argv)
     if args.replot:
@@ -331,6 +333,48 @@ def main(argv: list[str] | None = None) -> int:
             record("vLLM prefix cache, same process", fam[:b], s)
         s.stop()
 
+        def run_peers() -> None:
+            if "mooncake" in peers:
+                mc_json = work / "mooncake-peer.json"
+                mc_json.write_text(json.dumps({
+                    "metadata_server": st.metadata_url, "master_server_address": st.master_addr,
+                    "protocol": "tcp", "mode": "standalone-store", "global_segment_size": 0,
+                    "local_buffer_size": "1GB"}))
+                env = {"MOONCAKE_CONFIG_PATH": str(mc_json), "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+                kv = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
+                peer("vLLM MooncakeStoreConnector", "mooncake", kv, env=env)
+            if "example" in peers:
+                kv = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                      "kv_connector_extra_config": {"shared_storage_path": str(work / "example-store")}}
+                peer("vLLM ExampleConnector", "example", kv, extra=["--max-num-batched-tokens", str(max_len)])
+            if "lmcache" in peers:
+                try:
+                    with lmcache_server(work) as port:
+                        kv = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+                              "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
+                                                            "lmcache.mp.port": port}}
+                        peer("LMCache multi-process", "lmcache-mp", kv)
+                except RuntimeError as e:
+                    print(f"  LMCache multi-process failed on this machine: {e}", flush=True)
+            if "offloading" in peers:
+                kv = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                      "kv_connector_extra_config": {"cpu_bytes_to_use": 2 << 30}}
+                try:
+                    s = Server("offloading", model, work, kv, False, max_len)
+                except RuntimeError as e:
+                    print(f"  vLLM OffloadingConnector does not start on this build: {str(e)[:300]}", flush=True)
+                    run.rows.append(Measure("vLLM OffloadingConnector, same process", 0, 0.0, 0, note="did not start"))
+                else:
+                    servers.append(s)
+                    for b, fam in families.items():
+                        record("vLLM OffloadingConnector, writing", fam, s)
+                        record("vLLM OffloadingConnector, same process", fam, s)
+                        record("vLLM OffloadingConnector, same process", fam[:b], s)
+                    s.stop()
+
+        if args.peers_only:
+            run_peers()
+            return _finish(run, args, kv_bytes_per_token)
         # 2. our writer: every tier at once; prefix caching off so repeats come from our CPU tier.
         disk = work / "disk"
         shm_store = {"master_address": "auto", "metadata_server": "auto", "store_dir": str(store_dir)}
@@ -388,49 +432,17 @@ def main(argv: list[str] | None = None) -> int:
             s.stop()
 
         # 5. peers.
-        if "mooncake" in peers:
-            mc_json = work / "mooncake-peer.json"
-            mc_json.write_text(json.dumps({
-                "metadata_server": st.metadata_url, "master_server_address": st.master_addr,
-                "protocol": "tcp", "mode": "standalone-store", "global_segment_size": 0,
-                "local_buffer_size": "1GB"}))
-            env = {"MOONCAKE_CONFIG_PATH": str(mc_json), "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
-            kv = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
-            peer("vLLM MooncakeStoreConnector", "mooncake", kv, env=env)
-        if "example" in peers:
-            kv = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-                  "kv_connector_extra_config": {"shared_storage_path": str(work / "example-store")}}
-            peer("vLLM ExampleConnector", "example", kv, extra=["--max-num-batched-tokens", str(max_len)])
-        if "lmcache" in peers:
-            try:
-                with lmcache_server(work) as port:
-                    kv = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
-                          "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
-                                                        "lmcache.mp.port": port}}
-                    peer("LMCache multi-process", "lmcache-mp", kv)
-            except RuntimeError as e:
-                print(f"  LMCache multi-process failed on this machine: {e}", flush=True)
-        if "offloading" in peers:
-            kv = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                  "kv_connector_extra_config": {"cpu_bytes_to_use": 2 << 30}}
-            try:
-                s = Server("offloading", model, work, kv, False, max_len)
-            except RuntimeError as e:
-                print(f"  vLLM OffloadingConnector does not start on this build: {str(e)[:300]}", flush=True)
-                run.rows.append(Measure("vLLM OffloadingConnector, same process", 0, 0.0, 0, note="did not start"))
-            else:
-                servers.append(s)
-                for b, fam in families.items():
-                    record("vLLM OffloadingConnector, writing", fam, s)
-                    record("vLLM OffloadingConnector, same process", fam, s)
-                    record("vLLM OffloadingConnector, same process", fam[:b], s)
-                s.stop()
+        run_peers()
     finally:
         for s in servers:
             if s.proc.poll() is None:
                 s.stop(grace_s=10)
         stop_store(store_dir)
 
+    return _finish(run, args, kv_bytes_per_token)
+
+
+def _finish(run: Run, args: argparse.Namespace, kv_bytes_per_token: int) -> int:
     nbytes = kv_bytes_per_token * max(run.lengths) if kv_bytes_per_token else 200 << 20
     run.memcpy_gbps = memcpy_gbps(nbytes)
     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -450,7 +462,7 @@ def lmcache_server(work: Path) -> Any:
     log = work / "lmcache-server.log"
     with open(log, "w") as f:
         lm = subprocess.Popen([str(Path(PY).with_name("lmcache")), "server", "--host", "127.0.0.1", "--port",
-                               str(port), "--l1-size-gb", "2", "--chunk-size", "256"],
+                               str(port), "--l1-size-gb", "2", "--eviction-policy", "LRU", "--chunk-size", "256"],
                               stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
                               env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"})
     try:
