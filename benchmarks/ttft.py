@@ -462,7 +462,8 @@ def lmcache_server(work: Path) -> Any:
     log = work / "lmcache-server.log"
     with open(log, "w") as f:
         lm = subprocess.Popen([str(Path(PY).with_name("lmcache")), "server", "--host", "127.0.0.1", "--port",
-                               str(port), "--l1-size-gb", "2", "--eviction-policy", "LRU", "--chunk-size", "256"],
+                               str(port), "--l1-size-gb", "2", "--eviction-policy", "LRU", "--chunk-size", "256",
+                               "--http-port", str(free_port()), "--disable-observability"],
                               stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
                               env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"})
     try:
