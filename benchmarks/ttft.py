@@ -299,6 +299,13 @@ def main(argv: list[str] | None = None) -> int:
         run.rows.append(Measure(config, len(tokens), t, cached, note))
         print(f"  {config:40s} {len(tokens):6d} tokens  TTFT {t * 1000:9.1f} ms  cached {cached}", flush=True)
 
+    def same_process(first: str, repeat: str, s: Server) -> None:
+        """Each family computed once (``first``), then asked again whole and block-aligned (``repeat``)."""
+        for b, fam in families.items():
+            record(first, fam, s)
+            record(repeat, fam, s)
+            record(repeat, fam[:b], s)
+
     def peer(label: str, name: str, kv: dict[str, Any], **server_kw: Any) -> None:
         try:
             _peer(label, name, kv, **server_kw)
@@ -329,10 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         # 1. plain vLLM: recompute, then its own prefix-cache hit.
         s = Server("plain", model, work, None, True, max_len)
         servers.append(s)
-        for b, fam in families.items():
-            record("recompute (plain vLLM)", fam, s)
-            record("vLLM prefix cache, same process", fam, s)
-            record("vLLM prefix cache, same process", fam[:b], s)
+        same_process("recompute (plain vLLM)", "vLLM prefix cache, same process", s)
         s.stop()
 
         def run_peers() -> None:
@@ -368,10 +372,7 @@ def main(argv: list[str] | None = None) -> int:
                     run.rows.append(Measure("vLLM OffloadingConnector, same process", 0, 0.0, 0, note="did not start"))
                 else:
                     servers.append(s)
-                    for b, fam in families.items():
-                        record("vLLM OffloadingConnector, writing", fam, s)
-                        record("vLLM OffloadingConnector, same process", fam, s)
-                        record("vLLM OffloadingConnector, same process", fam[:b], s)
+                    same_process("vLLM OffloadingConnector, writing", "vLLM OffloadingConnector, same process", s)
                     s.stop()
 
         if args.peers_only:
@@ -385,10 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         s = Server("ours-writer", model, work, ours(cfg_all, run_dir=str(work / "ours-writer" / "run")), False,
                    max_len)
         servers.append(s)
-        for b, fam in families.items():
-            record("ours, writing (recompute + save)", fam, s)
-            record("ours, CPU tier, same process", fam, s)
-            record("ours, CPU tier, same process", fam[:b], s)
+        same_process("ours, writing (recompute + save)", "ours, CPU tier, same process", s)
         s.stop()
         kv_bytes_per_token = _bytes_per_token(read_worker_stats(work / "ours-writer" / "run"))
 

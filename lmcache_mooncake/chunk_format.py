@@ -165,11 +165,14 @@ def verify(header: ChunkHeader, payload: memoryview | bytes | bytearray) -> None
         raise ChunkVerificationError("checksum mismatch: the chunk bytes are damaged")
 
 
-def decode_into(data: memoryview | bytes | bytearray, expected_key: str, out: torch.Tensor) -> ChunkHeader:
+def decode_into(data: memoryview | bytes | bytearray, expected_key: str, out: torch.Tensor,
+                header: ChunkHeader | None = None) -> ChunkHeader:
     """Copy the payload of the chunk in ``data`` into ``out`` (contiguous, CPU, the chunk's
-    dtype and shape) and check it there: one copy, one checksum pass."""
+    dtype and shape) and check it there: one copy, one checksum pass. ``header``: what
+    :func:`parse_header` already returned for ``data``, so it is not parsed twice."""
     view = memoryview(data).cast("B")
-    header = parse_header(view, expected_key)
+    if header is None:
+        header = parse_header(view, expected_key)
     check_destination(header, out)
     payload = view[header.payload_offset : header.total_nbytes]
     dst = tensor_bytes(out)

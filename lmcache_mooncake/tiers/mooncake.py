@@ -99,7 +99,7 @@ class MooncakeTierConnector(VerifiedTier):
             if obj is None:
                 return
             try:
-                chunk_format.decode_into(data, keys_[i].to_string(), obj.tensor)
+                chunk_format.decode_into(data, keys_[i].to_string(), obj.tensor, header)
             except chunk_format.ChunkVerificationError as e:
                 obj.ref_count_down()
                 self._bad(names[i], e)
