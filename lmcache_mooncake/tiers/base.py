@@ -56,7 +56,6 @@ class HeaderCache:
         self._lock = threading.Lock()
         self._items: OrderedDict[tuple[str, int, int], bytes] = OrderedDict()
         self._capacity = capacity
-        self.computed = 0
 
     def header(self, key: str, tensor: torch.Tensor) -> bytes:
         ident = (key, tensor.data_ptr(), tensor.numel() * tensor.element_size())
@@ -67,7 +66,6 @@ class HeaderCache:
                 return found
         header = chunk_format.encode_header(key, tensor)
         with self._lock:
-            self.computed += 1
             self._items[ident] = header
             while len(self._items) > self._capacity:
                 self._items.popitem(last=False)
