@@ -15,7 +15,9 @@ loaded back into other blocks:
 Load time is the lookup plus the retrieve (what a cached request waits for);
 save time is ``store()`` plus waiting until every tier has written. The
 baseline is ``torch`` copying the same number of bytes in the same run.
-``--profile`` prints cProfile's top functions for each load.
+``--profile`` prints cProfile's top functions for each load. ``--auth`` seals
+every chunk with a keyed MAC (``chunk_auth_key_file``, keyed BLAKE3) instead of
+the XXH3-128 checksum, to measure what authenticated chunks cost.
 Each engine runs in its own process (LMCache's engine keeps process-wide
 state), so the figures come from fresh processes.
 
@@ -25,6 +27,7 @@ state), so the figures come from fresh processes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -54,6 +57,7 @@ def child(args: argparse.Namespace) -> None:
                             local_buffer_size=512 << 20, timeout=10.0, put_timeout=30.0)
     disk = args.disk if args.tier in ("disk", "cpu") else None
     cfg = CacheConfig(max_local_cpu_size=1.0, local_disk=disk, mooncake=mc)
+    cfg = dataclasses.replace(cfg, chunk_auth_key_file=args.auth_file)
     ns = KeyNamespace("bench", "float32", L, H, D, 256)
     layout = layouts.layout_for_backend("CPU_ATTN")
     name = f"bench-{args.role}-{args.tier}"
@@ -116,7 +120,7 @@ def _load(eng, kv, tokens, rc, out: dict[str, float], args: argparse.Namespace) 
 def run_child(role: str, tier: str, args: argparse.Namespace, disk: str, store_dir: str) -> dict[str, float]:
     cmd = [sys.executable, __file__, "--child", role, "--tier", tier, "--tokens", str(args.tokens),
            "--disk", disk, "--store-dir", store_dir] + (["--profile"] if args.profile else []) \
-        + (["--cold"] if args.cold else [])
+        + (["--cold"] if args.cold else []) + (["--auth-file", args.auth_file] if args.auth_file else [])
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     lines = [x for x in p.stdout.splitlines() if x.startswith("@@")]
     if p.returncode != 0 or not lines:
@@ -149,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=HERE / "results" / "tier_load.json")
     ap.add_argument("--profile", action="store_true", help="cProfile each load")
     ap.add_argument("--cold", action="store_true", help="the first load of a process (buffers untouched)")
+    ap.add_argument("--auth", action="store_true", help="seal chunks with a keyed MAC (chunk_auth_key_file)")
+    ap.add_argument("--auth-file", help=argparse.SUPPRESS)
     ap.add_argument("--child", choices=("writer", "reader"), help=argparse.SUPPRESS)
     ap.add_argument("--tier", help=argparse.SUPPRESS)
     ap.add_argument("--disk", help=argparse.SUPPRESS)
@@ -163,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="lmcm-tier-load-"))
     disk, store_dir = str(work / "disk"), str(work / "store")
+    if args.auth:
+        args.auth_file = str(work / "chunk-secret")
+        Path(args.auth_file).write_text("benchmark-secret-" * 4)
     nbytes = 2 * L * args.tokens * H * D * 4
     base = memcpy_s(nbytes)
     tiers = [t for t in args.tiers.split(",") if t]
@@ -188,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop_store(store_dir)
     mib = nbytes / 2**20
-    print(f"\n{args.tokens} tokens, {mib:.0f} MiB of KV (Qwen2-0.5B geometry, float32); plain memory copy "
+    seal = "keyed BLAKE3 MAC" if args.auth else "XXH3-128 checksum"
+    print(f"\n{args.tokens} tokens, {mib:.0f} MiB of KV (Qwen2-0.5B geometry, float32, chunks sealed with {seal}); "
+          "plain memory copy "
           f"{base * 1e3:.1f} ms ({nbytes / base / 1e9:.2f} GB/s)")
     print(f"{'tier':10s} {'load ms':>9s} {'(lookup)':>9s} {'load/memcpy':>12s} {'save ms':>9s} {'durable ms':>11s} "
           f"{'save/memcpy':>12s}")
@@ -198,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
               + (f"{save * 1e3:9.1f} {r['durable_s'] * 1e3:11.1f} {base / save:12.2f}" if save else ""))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"tokens": args.tokens, "bytes": nbytes, "memcpy_s": base, "rows": rows,
-                                     "cold": args.cold}, indent=2))
+                                     "cold": args.cold, "auth": args.auth}, indent=2))
     print(f"wrote {args.json}")
     return 0
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import typing
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from lmcache_mooncake import chunk_format
 
 ENV_PREFIX = "LMCACHE_MOONCAKE_"
 
@@ -139,6 +142,11 @@ class CacheConfig:
     #: Load cached KV in the background (vLLM's asynchronous loading): other
     #: requests keep running while a long prompt's chunks arrive.
     async_loading: bool = True
+    #: File holding a shared secret (at least 16 bytes, e.g. ``openssl rand -hex 32``):
+    #: every chunk then carries a keyed MAC (BLAKE3) instead of a bare checksum,
+    #: and a chunk written without this secret, or with another, is a miss.
+    #: Give every instance sharing a disk folder or store the same file.
+    chunk_auth_key_file: str | None = None
     #: The shared remote tier; absent or null: CPU and disk tiers only.
     mooncake: MooncakeConfig | None = None
 
@@ -178,6 +186,26 @@ class CacheConfig:
             raise ConfigError(f"load_wait_timeout: {self.load_wait_timeout} must be 0 or more seconds")
         if self.lookup_timeout <= 0:
             raise ConfigError(f"lookup_timeout: {self.lookup_timeout} must be above 0 seconds")
+        if self.chunk_auth_key_file is not None:
+            self.seal()  # a missing or short secret fails here, at load, not in vLLM's worker
+
+    def seal(self) -> chunk_format.Seal:
+        """How this instance seals and checks chunks: a MAC with ``chunk_auth_key_file``'s
+        secret, else the plain checksum. Raises :class:`ConfigError` naming the file."""
+        if self.chunk_auth_key_file is None:
+            return chunk_format.CHECKSUM_SEAL
+        path = Path(os.path.expandvars(self.chunk_auth_key_file)).expanduser()
+        try:
+            secret = path.read_bytes().strip()
+        except OSError as e:
+            raise ConfigError(
+                f"chunk_auth_key_file: cannot read {path}: {e.strerror}; create it with e.g. "
+                f"'openssl rand -hex 32 > {path}' and give every instance the same file"
+            ) from None
+        try:
+            return chunk_format.mac_seal(secret)
+        except ValueError as e:
+            raise ConfigError(f"chunk_auth_key_file: {path}: {e}; e.g. 'openssl rand -hex 32 > {path}'") from None
 
     @property
     def disk_path(self) -> Path | None:
@@ -269,6 +297,8 @@ def _check_value(source: str, key: str, value: Any, cls: type = None, prefix: st
         )
     if float in types and isinstance(value, int):
         value = float(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{source}: key '{full}' must be a finite number, got {value!r}")
     return value
 
 

@@ -77,6 +77,13 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Check the configuration, then replace this process with vLLM's server."""
     vllm_args = list(args.passed_through)
+    own = [a for a in vllm_args if a.split("=", 1)[0] in ("--kv-transfer-config", "--kv_transfer_config")]
+    if own:
+        print("error: serve writes vLLM's --kv-transfer-config itself (from --role and --config); "
+              "put cache settings in the YAML given with --config, or run vLLM directly with your own "
+              "--kv-transfer-config (see `lmcache-mooncake serve --role both --model M --print-command`)",
+              file=sys.stderr)
+        return 2
     config_file = args.config or default_config_file(args.role)
     overrides = None
     if config_file is None:

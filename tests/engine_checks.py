@@ -24,8 +24,9 @@ NS = KeyNamespace("m", "float32", L, H, D, 256)
 _ids = itertools.count()
 
 
-def make_engine(disk, cpu_gib=0.05):
-    cfg = CacheConfig(max_local_cpu_size=cpu_gib, local_disk=str(disk))
+def make_engine(disk, cpu_gib=0.05, secret_file=None):
+    cfg = CacheConfig(max_local_cpu_size=cpu_gib, local_disk=str(disk),
+                      chunk_auth_key_file=None if secret_file is None else str(secret_file))
     layout = layouts.layout_for_backend("CPU_ATTN")
     name = f"test-{next(_ids)}"
     return engine.build_engine(cfg, NS, layout, torch.float32, name), name
@@ -86,9 +87,41 @@ def check_damaged_file_stops_the_lookup_prefix(tmp_path, kv):
         engine.close_engine(reader, rname)
 
 
+def check_chunks_sealed_with_another_secret_are_misses(tmp_path, kv):
+    tokens = torch.arange(600) + 7
+    slots = torch.arange(600)
+    rc = engine.request_configs(None, None)
+    disk = tmp_path / "disk"
+    secrets = {}
+    for name in ("a", "b"):
+        secrets[name] = tmp_path / f"secret-{name}"
+        secrets[name].write_text(f"{name}-shared-secret-of-enough-bytes\n")
+    writer, wname = make_engine(disk, secret_file=secrets["a"])
+    writer.store(tokens, mask=None, kvcaches=kv, slot_mapping=slots, request_configs=rc)
+    assert engine.drain(writer, 30)
+    engine.close_engine(writer, wname)
+    files = sorted(disk.glob("*/*.lmcm"))
+    assert len(files) == 3 and all(b'"blake3_mac"' in p.read_bytes()[:4096] for p in files)
+    kept = {p: p.read_bytes() for p in files}
+
+    def lookup(secret):
+        for p, data in kept.items():  # a failed check removes the file: put it back
+            p.write_bytes(data)
+        reader, rname = make_engine(disk, secret_file=secret)
+        try:
+            return reader.lookup(tokens=tokens, request_configs=rc)
+        finally:
+            engine.close_engine(reader, rname)
+
+    assert lookup(None) == 0  # written with a secret, read without: a miss
+    assert lookup(secrets["b"]) == 0  # another secret: a miss
+    assert lookup(secrets["a"]) == 600  # the control: the same secret hits
+
+
 CHECKS = {
     "store_then_fresh_engine_loads_bit_exact": check_store_then_fresh_engine_loads_bit_exact,
     "damaged_file_stops_the_lookup_prefix": check_damaged_file_stops_the_lookup_prefix,
+    "chunks_sealed_with_another_secret_are_misses": check_chunks_sealed_with_another_secret_are_misses,
 }
 
 if __name__ == "__main__":

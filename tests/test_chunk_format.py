@@ -55,3 +55,44 @@ def test_decode_into_checks_the_destination_and_damage_there():
     payload[7] ^= 0x10
     with pytest.raises(ChunkVerificationError, match="checksum"):
         verify(header, payload)
+
+
+def test_mac_sealed_chunks_need_the_same_secret():
+    import json
+    import struct
+
+    from lmcache_mooncake.chunk_format import CHECKSUM_SEAL, mac_seal
+
+    t = torch.randn(2, 2, 6, 8)
+    a, b = mac_seal(b"secret-a-" * 4), mac_seal(b"secret-b-" * 4)
+    data = encode("k", t, a)
+    assert torch.equal(decode(data, "k", a), t)  # the control: the same secret reads it
+    assert b"xxh3_128" not in data[:4096]
+    with pytest.raises(ChunkVerificationError, match="another chunk auth secret"):
+        decode(data, "k", b)
+    with pytest.raises(ChunkVerificationError, match="does not have"):
+        decode(data, "k", CHECKSUM_SEAL)
+    with pytest.raises(ChunkVerificationError, match="without the chunk auth secret"):
+        decode(encode("k", t), "k", a)
+    flipped = bytearray(data)
+    flipped[-1] ^= 0x01
+    with pytest.raises(ChunkVerificationError, match="MAC mismatch"):
+        decode(bytes(flipped), "k", a)
+
+    # A sealed payload moved under another key (header rewritten to match) fails:
+    # the MAC covers the key, not only the bytes.
+    (hlen,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + hlen])
+    header["__metadata__"]["key"] = "other"
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-(8 + len(blob)) % 8)
+    moved = struct.pack("<Q", len(blob)) + blob + data[8 + hlen :]
+    with pytest.raises(ChunkVerificationError, match="MAC mismatch"):
+        decode(moved, "other", a)
+
+
+def test_mac_secret_must_be_long_enough():
+    from lmcache_mooncake.chunk_format import mac_seal
+
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        mac_seal(b"short")

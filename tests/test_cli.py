@@ -61,3 +61,14 @@ def test_serve_passes_unknown_arguments_to_vllm():
 def test_other_commands_refuse_unknown_arguments():
     out = cli("check-config", "configs/both.yaml", "--bogus")
     assert out.returncode == 2 and "unrecognized arguments: --bogus" in out.stderr
+
+
+def test_serve_refuses_unknown_roles_and_a_second_kv_transfer_config():
+    out = cli("serve", "--role", "decoder", "--model", "m", "--print-command")
+    assert out.returncode == 2 and "invalid choice: 'decoder'" in out.stderr and "prefill" in out.stderr
+    for extra in (["--kv-transfer-config", "{bad"], ["--kv-transfer-config={}"]):
+        out = cli("serve", "--role", "both", "--model", "m", "--print-command", *extra)
+        assert out.returncode == 2 and "writes vLLM's --kv-transfer-config itself" in out.stderr
+        assert out.stdout == ""
+    out = cli("serve", "--role", "both", "--model", "m", "--print-command", "--config", "no-such.yaml")
+    assert out.returncode == 2 and "no-such.yaml" in out.stderr

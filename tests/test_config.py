@@ -150,3 +150,91 @@ def test_extra_config_merges_into_the_mooncake_section(tmp_path):
     p = write(tmp_path, "mooncake:\n  master_address: 127.0.0.1:1\n  timeout: 3\n")
     cfg = config_from_extra({"config_file": str(p), "mooncake": {"timeout": 0.5}})
     assert cfg.mooncake.master_address == "127.0.0.1:1" and cfg.mooncake.timeout == 0.5
+
+
+def test_chunk_auth_key_file_is_checked_at_load(tmp_path):
+    from lmcache_mooncake.chunk_format import CHECKSUM_SEAL
+
+    assert load_config(None, environ={}).seal() is CHECKSUM_SEAL
+    missing = tmp_path / "no-such-secret"
+    with pytest.raises(ConfigError, match="chunk_auth_key_file: cannot read .*no-such-secret.*openssl rand"):
+        load_config(write(tmp_path, f"chunk_auth_key_file: {missing}\n"), environ={})
+    short = tmp_path / "short"
+    short.write_text("abc\n")
+    with pytest.raises(ConfigError, match="at least 16 bytes"):
+        load_config(None, environ={"LMCACHE_MOONCAKE_CHUNK_AUTH_KEY_FILE": str(short)})
+    good = tmp_path / "secret"
+    good.write_text("0123456789abcdef0123456789abcdef\n")
+    seal = load_config(None, environ={"LMCACHE_MOONCAKE_CHUNK_AUTH_KEY_FILE": str(good)}).seal()
+    assert seal.is_mac and seal == load_config(write(tmp_path, f"chunk_auth_key_file: {good}\n"), environ={}).seal()
+
+
+# -- fuzzing: any YAML is a valid config or a ConfigError naming the file ------
+
+def _fuzz_strategies():
+    from dataclasses import fields
+
+    from hypothesis import strategies as st
+
+    from lmcache_mooncake.config import MooncakeConfig
+
+    scalars = st.one_of(
+        st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True, allow_infinity=True),
+        st.text(max_size=12), st.sampled_from(["256MiB", "4GiB", "1.5 gb", "auto", "tcp", "shm", "rdma",
+                                               "127.0.0.1:50051", "http://h:1/metadata", "recompute", "-1"]),
+    )
+    values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3)
+                          | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=6)
+    mooncake_keys = st.sampled_from([f.name for f in fields(MooncakeConfig)] + ["master_adress", ""])
+    mooncake = st.dictionaries(mooncake_keys, values, max_size=5)
+    top_keys = st.sampled_from([f.name for f in fields(CacheConfig) if f.name != "chunk_auth_key_file"]
+                               + ["chunk_sise", "mooncake ", "1"])
+    doc = st.dictionaries(top_keys, values, max_size=6).flatmap(
+        lambda d: st.one_of(st.just(d), mooncake.map(lambda m: {**d, "mooncake": m})))
+    return st.one_of(doc, values)
+
+
+def test_fuzzed_yaml_is_a_config_or_a_clean_error(tmp_path_factory):
+    import yaml
+    from hypothesis import HealthCheck, given, settings
+
+    path = tmp_path_factory.mktemp("fuzz") / "cache.yaml"
+
+    @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(_fuzz_strategies())
+    def check(doc):
+        path.write_text(yaml.safe_dump(doc))
+        try:
+            cfg = load_config(path, environ={})
+        except ConfigError as e:
+            assert str(path) in str(e), str(e)
+        else:
+            import math
+            from dataclasses import astuple
+
+            assert isinstance(cfg, CacheConfig)
+            numbers = [v for v in astuple(cfg) if isinstance(v, float)]
+            numbers += [v for v in astuple(cfg.mooncake or CacheConfig()) if isinstance(v, float)]
+            assert all(math.isfinite(v) for v in numbers), cfg
+
+    check()
+
+
+def test_fuzzed_text_is_a_config_or_a_clean_error(tmp_path_factory):
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    path = tmp_path_factory.mktemp("fuzz") / "cache.yaml"
+    pieces = st.sampled_from(["chunk_size:", " 256", "\n", "mooncake:", "  timeout: ", "- ", "{", "}", "[", ":",
+                              "&a ", "*a", "!!python/object:os.system", "'", '"', "\t", "local_disk: ", "~"])
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.one_of(st.lists(pieces, max_size=12).map("".join), st.text(max_size=40)))
+    def check(text):
+        path.write_text(text)
+        try:
+            load_config(path, environ={})
+        except ConfigError as e:
+            assert str(path) in str(e), str(e)
+
+    check()

@@ -56,6 +56,8 @@ class HeaderCache:
         self._lock = threading.Lock()
         self._items: OrderedDict[tuple[str, int, int], bytes] = OrderedDict()
         self._capacity = capacity
+        #: How headers are sealed; set with the engine's tiers (``EngineContext.set_seal``).
+        self.seal = chunk_format.CHECKSUM_SEAL
 
     def header(self, key: str, tensor: torch.Tensor) -> bytes:
         ident = (key, tensor.data_ptr(), tensor.numel() * tensor.element_size())
@@ -64,7 +66,7 @@ class HeaderCache:
             if found is not None:
                 self._items.move_to_end(ident)
                 return found
-        header = chunk_format.encode_header(key, tensor)
+        header = chunk_format.encode_header(key, tensor, self.seal)
         with self._lock:
             self._items[ident] = header
             while len(self._items) > self._capacity:
@@ -88,6 +90,13 @@ class EngineContext:
         self.tier_settings: dict[str, Any] = {}
         #: Names of the verified tiers that write each chunk (the last one drops its header).
         self.writers: list[str] = []
+        #: How this engine's tiers seal chunks they write and check chunks they read.
+        self.seal = chunk_format.CHECKSUM_SEAL
+
+    def set_seal(self, seal: chunk_format.Seal) -> None:
+        """Use ``seal`` for every chunk written and read from now on (before any tier I/O)."""
+        self.seal = seal
+        self.headers.seal = seal
 
 
 _CONTEXTS: dict[str, EngineContext] = {}

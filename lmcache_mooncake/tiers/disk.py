@@ -121,7 +121,7 @@ class DiskTierConnector(VerifiedTier):
                 head = f.read(8)
                 (hlen,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
                 header = chunk_format.parse_header(head + f.read(min(hlen, chunk_format.HEADER_ROOM)),
-                                                   key.to_string())
+                                                   key.to_string(), self.ctx.seal)
                 if header.total_nbytes != st.st_size:
                     raise chunk_format.ChunkVerificationError(
                         f"file is {st.st_size} bytes, its header says {header.total_nbytes}")
@@ -152,7 +152,7 @@ class DiskTierConnector(VerifiedTier):
         except FileNotFoundError:
             return False
         try:
-            header = chunk_format.parse_header(data, key.to_string())
+            header = chunk_format.parse_header(data, key.to_string(), self.ctx.seal)
             chunk_format.verify(header, memoryview(data)[header.payload_offset :])
         except chunk_format.ChunkVerificationError as e:
             self._discard_bad(path, str(e))

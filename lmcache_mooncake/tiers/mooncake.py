@@ -91,7 +91,7 @@ class MooncakeTierConnector(VerifiedTier):
             # The object is in the client's staging region: check it there and
             # copy its payload once, into LMCache's buffer.
             try:
-                header = chunk_format.parse_header(data, keys_[i].to_string())
+                header = chunk_format.parse_header(data, keys_[i].to_string(), self.ctx.seal)
             except chunk_format.ChunkVerificationError as e:
                 self._bad(names[i], e)
                 return
