@@ -71,6 +71,13 @@ class MooncakeConfig:
     put_timeout: float = 10.0
     #: Copies of each chunk the store keeps.
     replica_num: int = 1
+    #: Protect written chunks from eviction: "none"; "soft": evicted only once
+    #: no unpinned object is left, for pin_ttl seconds (Mooncake's soft pin);
+    #: "hard": never evicted (until deleted or the store restarts). For warm-up
+    #: of known prefixes (``warmup --pin``), not for serving traffic.
+    pin: str = "none"
+    #: Seconds a soft pin lasts (the master caps it, by default at 24 h).
+    pin_ttl: float = 1800.0
     #: Folder where ``store up`` records the embedded store (for "auto").
     store_dir: str | None = None
 
@@ -105,6 +112,10 @@ class MooncakeConfig:
             raise ConfigError(f"timeout: {self.timeout} must be above 0 seconds")
         if self.put_timeout <= 0:
             raise ConfigError(f"put_timeout: {self.put_timeout} must be above 0 seconds")
+        if self.pin not in ("none", "soft", "hard"):
+            raise ConfigError(f"pin: {self.pin!r} is not one of 'none', 'soft', 'hard'")
+        if self.pin_ttl <= 0:
+            raise ConfigError(f"pin_ttl: {self.pin_ttl} must be above 0 seconds")
         if self.replica_num < 1:
             raise ConfigError(f"replica_num: {self.replica_num} must be at least 1")
 

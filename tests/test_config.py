@@ -132,6 +132,9 @@ def test_mooncake_misspelled_key_is_an_error_not_a_default(tmp_path):
         ("  timeout: 0\n", "mooncake.timeout"),
         ("  replica_num: 0\n", "mooncake.replica_num"),
         ("  timeout: soon\n", "mooncake.timeout"),
+        ("  pin: always\n", "mooncake.pin"),
+        ("  pin: soft\n  pin_ttl: 0\n", "mooncake.pin_ttl"),
+        ("  timeout: .nan\n", "mooncake.timeout"),
     ],
 )
 def test_mooncake_bad_values_name_the_key(tmp_path, body, key):

@@ -22,7 +22,7 @@ from lmcache_mooncake.procs import free_port
 from lmcache_mooncake.serve import vllm_command
 from lmcache_mooncake.stats import read_stats
 from lmcache_mooncake.store.client import StoreClient
-from lmcache_mooncake.store.launcher import StoreSpec, start_store, stop_store
+from lmcache_mooncake.store.launcher import StoreSpec, start_store, stop_store, store_status
 from lmcache_mooncake.testing.models import ModelSpec, build_model
 from lmcache_mooncake.testing.offline import Instance, RunSpec, vllm_env
 from lmcache_mooncake.warmup import main_warmup, warmup
@@ -103,8 +103,9 @@ def warmed(model, work, store, input_files):
                                  max_tokens=MAX_TOKENS), work / "reference")
     try:
         decode.start()  # waited for after the warm-up
+        # Pinned (`warmup --pin soft`), so eviction spares the chunks: see the last test.
         summary = warmup(str(model), REPO / "configs/prefill.yaml", input_files, dtype="float32",
-                         overrides={"mooncake": {"store_dir": str(store)}}, batch_size=3,
+                         overrides={"mooncake": {"store_dir": str(store), "pin": "soft"}}, batch_size=3,
                          work_dir=work / "warmup-1", progress=False)
         reference_out = reference.run([i.token_ids for i in summary.inputs])
         reference.stop()
@@ -142,6 +143,7 @@ def test_warmup_writes_every_chunk_under_the_workers_names(model, store, warmed)
         assert all(client.batch_exists(names))
     finally:
         client.close()
+    assert store_status(store)["soft_pinned_objects"] >= len(names)
     assert summary.prompt_tokens == sum(len(i.token_ids) for i in summary.inputs)
     assert summary.prompt_tokens_per_s > 0 and summary.work_dir is not None  # we gave the work folder
 
@@ -190,3 +192,18 @@ def test_second_warmup_writes_nothing_and_says_so(model, work, store, input_file
     assert s["inputs_skipped"] == len(INPUTS) + 1 and s["inputs_done"] == 0 and s["chunks_written"] == 0
     assert not (work / "warmup-2" / "vllm").exists()  # no vLLM was started
     assert time.monotonic() - t0 < 60
+
+
+def test_pinned_warmup_chunks_survive_unpinned_traffic_past_capacity(model, store, warmed):
+    summary, _, _ = warmed
+    names = expected_names(model, summary)
+    client = StoreClient.from_state(store, timeout_s=5.0, local_buffer_bytes=64 << 20)
+    try:
+        blob = bytes(8 << 20)
+        for i in range(64):  # 512 MiB of unpinned 8 MiB objects into a 256 MiB store
+            client.batch_put([f"unpinned-{i}"], [blob])
+        status = store_status(store)
+        assert status["evicted_keys"] > 0, status  # the store really was full
+        assert all(client.batch_exists(names)), "a pinned warm-up chunk was evicted"
+    finally:
+        client.close()

@@ -73,6 +73,7 @@ def agent_main() -> None:
                     local_buffer_bytes=req.get("local_buffer_bytes", 16 * MiB),
                     retry_interval_s=req.get("retry_interval_s", 0.5),
                     max_retry_interval_s=req.get("max_retry_interval_s", 2.0),
+                    pin=req.get("pin", "none"),
                 )
                 reply({"ok": True, "healthy": client.healthy})
             elif op == "put":
@@ -361,6 +362,27 @@ def test_store_full_fails_puts_without_raising(stores, agents):
     assert 0 < len(present) <= 32
     got = a("get", keys=present, size=MiB)
     assert all(got["exact"]), got["codes"]
+
+
+def test_pinned_objects_survive_a_store_filled_past_capacity(stores, agents):
+    st = stores(memory_bytes=32 * MiB)
+    pinned, other = agents(), agents()
+    pinned("connect", state_dir=str(st.state_dir), timeout_s=5.0, pin="soft")
+    other("connect", state_dir=str(st.state_dir), timeout_s=5.0)
+    soft = [f"soft-{i}" for i in range(6)]
+    assert pinned("put", keys=soft, size=MiB)["codes"] == [0] * 6
+    assert store_status(st.state_dir)["soft_pinned_objects"] == 6
+    # The control: unpinned objects written first are the ones evicted (with
+    # pin="none" above, the "soft" ones go too: checked by hand).
+    early = [f"early-{i}" for i in range(6)]
+    assert other("put", keys=early, size=MiB)["codes"] == [0] * 6
+    for i in range(0, 96, 8):  # 96 MiB of unpinned traffic into 32 MiB
+        other("put", keys=[f"fill-{j}" for j in range(i, i + 8)], size=MiB)
+    status = store_status(st.state_dir)
+    assert status["evicted_keys"] > 0, status
+    assert not all(other("exists", keys=early)["result"]), "nothing unpinned was evicted: the check shows nothing"
+    assert other("exists", keys=soft)["result"] == [True] * 6
+    assert all(other("get", keys=soft, size=MiB)["exact"])
 
 
 def test_port_in_use_is_named(tmp_path):

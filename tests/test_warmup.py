@@ -257,6 +257,24 @@ def test_refusals(tmp_path, renderer, capsys):
     assert rc == 2 and "no 'mooncake:' section" in capsys.readouterr().err
 
 
+def test_pin_flags_become_the_mooncake_pin_keys():
+    import argparse
+
+    from lmcache_mooncake.warmup.cli import _overrides
+
+    def ns(**kw):
+        return argparse.Namespace(**{"set": [], "pin": None, "pin_ttl": None, **kw})
+
+    assert _overrides(ns()) == {}
+    assert _overrides(ns(pin="hard")) == {"mooncake": {"pin": "hard"}}
+    assert _overrides(ns(pin="soft", pin_ttl=60.0, set=["mooncake.store_dir=/s"])) == {
+        "mooncake": {"store_dir": "/s", "pin": "soft", "pin_ttl": 60.0}}
+    with pytest.raises(WarmupError, match="--pin-ttl needs --pin soft"):
+        _overrides(ns(pin_ttl=5.0))
+    cfg = load_config(REPO / "configs/prefill.yaml", overrides=_overrides(ns(pin="soft", pin_ttl=60.0)))
+    assert (cfg.mooncake.pin, cfg.mooncake.pin_ttl) == ("soft", 60.0)
+
+
 def test_help_explains_inputs_and_gives_an_example(capsys):
     with pytest.raises(SystemExit) as e:
         main_warmup(["--help"])

@@ -109,7 +109,8 @@ def print_status(st: dict) -> None:
     print(f"store in {st['state_dir']}: {'healthy' if st.get('healthy') else 'NOT healthy'}")
     if "capacity_bytes" in st:
         print(f"  capacity {gib(st['capacity_bytes'])}, used {gib(st['used_bytes'])}, "
-              f"objects {st['object_count']}, clients {st['clients']}, evicted {st['evicted_keys']}")
+              f"objects {st['object_count']} ({st['soft_pinned_objects']} soft-pinned), clients {st['clients']}, "
+              f"evicted {st['evicted_keys']}")
     for k, v in (st.get("addresses") or {}).items():
         print(f"  {k}: {v}")
     for problem in st.get("problems", []):

@@ -150,6 +150,10 @@ class StoreEndpoint:
 # --------------------------------------------------------------------------
 
 
+#: Values of ``pin`` (``mooncake.pin`` in the YAML).
+PINS = ("none", "soft", "hard")
+
+
 class StoreClient(StagedTransfers):
     """Client to a Mooncake Store for one process. Thread-safe; calls are serialised.
 
@@ -173,6 +177,8 @@ class StoreClient(StagedTransfers):
         max_retry_interval_s: float = 10.0,
         rebuild_after: int = 3,
         replica_num: int = 1,
+        pin: str = "none",
+        pin_ttl_s: float = 1800.0,
     ):
         if mode not in ("tcp", "shm"):
             raise StoreError(f"mode={mode!r}: use 'tcp' (any host) or 'shm' (same host as the store)")
@@ -201,6 +207,14 @@ class StoreClient(StagedTransfers):
         if replica_num < 1:
             raise StoreError(f"replica_num={replica_num} must be at least 1")
         self.replica_num = int(replica_num)
+        if pin not in PINS:
+            raise StoreError(f"pin={pin!r}: use one of {', '.join(PINS)}")
+        if pin_ttl_s <= 0:
+            raise StoreError(f"pin_ttl_s={pin_ttl_s} must be above 0")
+        #: How puts protect their objects from eviction: "none", "soft" (evicted
+        #: only after every unpinned object, for ``pin_ttl_s``) or "hard" (never).
+        self.pin = pin
+        self.pin_ttl_s = float(pin_ttl_s)
         self._replicate: Any = None
         if mode == "tcp":
             self._targets = [_split_hostport(master_addr), _url_hostport(metadata_url)]
@@ -319,6 +333,7 @@ class StoreClient(StagedTransfers):
             timeout_s=float(mc.timeout), mode=endpoint.mode, client_addr=endpoint.client_addr,
             global_segment_bytes=int(mc.global_segment_size), local_hostname=mc.local_hostname,
             replica_num=int(mc.replica_num), connect_timeout_s=max(float(mc.timeout), 5.0),
+            pin=mc.pin, pin_ttl_s=float(mc.pin_ttl),
         )
         args.update(overrides)
         return cls.connect(endpoint.master_addr, endpoint.metadata_url, **args)

@@ -217,6 +217,8 @@ def store_status(state_dir: Path | str | None = None, timeout_s: float = 2.0) ->
     - ``capacity_bytes``, ``used_bytes``, ``free_bytes``, ``object_count``,
       ``clients`` (live Mooncake clients incl. the storage process),
       ``evicted_keys``, ``evicted_bytes``, ``eviction_rounds``,
+      ``soft_pinned_objects`` (Mooncake 0.3.13's master counts soft pins only, in
+      objects, not bytes; hard pins are not reported),
       ``put_alloc_failures`` (puts refused for lack of space) and
       ``put_failed_items``: from the master's Prometheus ``/metrics``.
     - ``processes``, ``ports``, ``logs``, ``started_at``, ``uptime_s``,
@@ -282,6 +284,7 @@ def store_status(state_dir: Path | str | None = None, timeout_s: float = 2.0) ->
         evicted_keys=int(m.get("master_evicted_key_count", 0)),
         evicted_bytes=int(m.get("master_evicted_size_bytes", 0)),
         eviction_rounds=int(m.get("master_successful_evictions_total", 0)),
+        soft_pinned_objects=int(m.get("master_soft_pin_key_count", 0)),
         put_alloc_failures=int(m.get("master_put_start_alloc_failures_total", 0)),
         put_failed_items=int(m.get("master_batch_put_start_failed_items_total", 0))
         + int(m.get("master_put_start_failures_total", 0)),

@@ -139,12 +139,18 @@ class StagedTransfers:
                 return
 
     def _replicate_config(self) -> Any:
-        """Mooncake's per-put replication settings (``replica_num`` copies)."""
+        """Mooncake's per-put settings: ``replica_num`` copies, pinned as ``pin`` says."""
         if self._replicate is None:
-            from mooncake.store import ReplicateConfig
+            from mooncake.store import ReplicateConfig, SoftPinAction
 
             cfg = ReplicateConfig()
             cfg.replica_num = self.replica_num
+            if self.pin == "soft":
+                # Both are needed: a TTL alone is refused (-600) by Mooncake 0.3.13.
+                cfg.soft_pin_action = SoftPinAction.ENABLE
+                cfg.soft_pin_ttl_ms = int(self.pin_ttl_s * 1000)
+            elif self.pin == "hard":
+                cfg.with_hard_pin = True
             self._replicate = cfg
         return self._replicate
 

@@ -88,6 +88,12 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
                    "--server-arg=--chat-template-content-format=openai; repeatable")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config key (YAML value), e.g. --set mooncake.store_dir=/tmp/store")
+    p.add_argument("--pin", choices=("soft", "hard"), default=None,
+                   help="pin the chunks written against eviction: soft (evicted only once no unpinned object is "
+                   "left, for --pin-ttl) or hard (never evicted); sets mooncake.pin. Chunks already in the store "
+                   "are skipped and keep their pin state")
+    p.add_argument("--pin-ttl", type=float, default=None, metavar="SECONDS",
+                   help="how long a soft pin lasts (default 1800; the master caps it at 24 h)")
     p.add_argument("--batch-size", type=int, default=16, help="inputs handed to vLLM at a time (default 16)")
     p.add_argument("--kv-cache-gib", type=int, default=2,
                    help="vLLM CPU build: GiB of KV cache for the producer (default 2)")
@@ -123,6 +129,21 @@ def _parse_set(items: list[str]) -> dict[str, Any]:
     return out
 
 
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """``--set`` items, then ``--pin`` / ``--pin-ttl`` as ``mooncake.pin`` / ``mooncake.pin_ttl``."""
+    out = _parse_set(args.set)
+    if args.pin_ttl is not None and args.pin is None:
+        raise WarmupError("--pin-ttl needs --pin soft")
+    if args.pin is not None:
+        section = out.setdefault("mooncake", {})
+        if not isinstance(section, dict):
+            raise WarmupError("--pin: --set mooncake=... already replaced the mooncake section")
+        section["pin"] = args.pin
+        if args.pin_ttl is not None:
+            section["pin_ttl"] = args.pin_ttl
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     """``lmcache-mooncake warmup``: warm up, print the summary; the exit code says how it went."""
     import logging
@@ -137,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
             logging.getLogger(name).setLevel(logging.WARNING)
         summary = warmup(
             args.model, args.config, args.input,
-            overrides=_parse_set(args.set), model_id=args.model_id, dtype=args.dtype,
+            overrides=_overrides(args), model_id=args.model_id, dtype=args.dtype,
             max_model_len=args.max_model_len, chat_template=args.chat_template, server_args=args.server_arg,
             batch_size=args.batch_size, strict=args.strict, dry_run=args.dry_run, kv_cache_gib=args.kv_cache_gib,
             batch_timeout_s=args.batch_timeout, verify_timeout_s=args.verify_timeout, work_dir=args.work_dir,
