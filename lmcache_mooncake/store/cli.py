@@ -26,6 +26,10 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start the store, wait until it answers, record what was started")
     up.add_argument("--memory", default="4GiB", help="store memory owned by the storage process (default 4GiB)")
     up.add_argument("--config", help="cache YAML whose mooncake: section gives protocol, rdma_devices, store_dir")
+    up.add_argument("--host", default="127.0.0.1",
+                    help="address to bind and announce (default 127.0.0.1: this host only); for instances on "
+                    "other hosts, this host's address on their network, e.g. 10.0.0.5 (their master_address "
+                    "is then 10.0.0.5:MASTER_PORT)")
     for name in ("master", "metadata", "metrics", "client"):
         up.add_argument(f"--{name}-port", type=int, default=None, help=f"{name} port (default: a free one)")
     for action in (up, sub.add_parser("status", help="health, capacity, object count, addresses"),
@@ -60,6 +64,7 @@ def _up(args: argparse.Namespace) -> int:
     state_dir = args.state_dir or (mc.store_dir if mc and mc.store_dir else None) or default_state_dir()
     spec = StoreSpec(
         memory_bytes=parse_size(args.memory),
+        host=args.host,
         master_port=args.master_port,
         metadata_port=args.metadata_port,
         metrics_port=args.metrics_port,

@@ -55,7 +55,6 @@ from lmcache_mooncake.store.binaries import check_shared_libraries, find_binarie
 from lmcache_mooncake.store.errors import StoreError
 from lmcache_mooncake.store.state import (
     LOCK_FILE,
-    LOOPBACK,
     STATE_FILE,
     StoreSpec,
     StoreState,
@@ -124,16 +123,17 @@ def start_store(spec: StoreSpec | None = None) -> StoreState:
         check_shared_libraries(master_bin)
         ports = _choose_ports(spec)
         env = dict(os.environ)
-        env["MC_TCP_BIND_ADDRESS"] = LOOPBACK  # the storage process advertises its loopback address
+        host = spec.host
+        env["MC_TCP_BIND_ADDRESS"] = host  # the address the storage process advertises to clients
 
         master_cmd = [
             str(master_bin),
-            f"--rpc_address={LOOPBACK}",
+            f"--rpc_address={host}",
             f"--rpc_port={ports['master_port']}",
             "--enable_http_metadata_server=true",
-            f"--http_metadata_server_host={LOOPBACK}",
+            f"--http_metadata_server_host={host}",
             f"--http_metadata_server_port={ports['metadata_port']}",
-            f"--metrics_host={LOOPBACK}",
+            f"--metrics_host={host}",
             f"--metrics_port={ports['metrics_port']}",
             "--enable_metric_reporting=false",
             f"--eviction_high_watermark_ratio={spec.eviction_high_watermark_ratio}",
@@ -144,10 +144,10 @@ def start_store(spec: StoreSpec | None = None) -> StoreState:
         ]
         client_cmd = [
             str(client_bin),
-            f"--host={LOOPBACK}",
+            f"--host={host}",
             f"--port={ports['client_port']}",
-            f"--master_server_address={LOOPBACK}:{ports['master_port']}",
-            f"--metadata_server=http://{LOOPBACK}:{ports['metadata_port']}/metadata",
+            f"--master_server_address={host}:{ports['master_port']}",
+            f"--metadata_server=http://{host}:{ports['metadata_port']}/metadata",
             f"--global_segment_size={spec.memory_bytes}",
             "--local_buffer_size=0",
             f"--protocol={spec.protocol}",
@@ -163,17 +163,17 @@ def start_store(spec: StoreSpec | None = None) -> StoreState:
         try:
             mpid = _spawn(master_cmd, master_log, env, sd)
             started.append(mpid)
-            _wait_master(mpid, master_log, ports, deadline, spec.wait_s)
+            _wait_master(host, mpid, master_log, ports, deadline, spec.wait_s)
             cpid = _spawn(client_cmd, client_log, env, sd)
             started.append(cpid)
-            _wait_storage(cpid, client_log, ports, spec.memory_bytes, deadline, spec.wait_s)
+            _wait_storage(host, cpid, client_log, ports, spec.memory_bytes, deadline, spec.wait_s)
         except BaseException:
             for pid in reversed(started):
                 _terminate(pid, None, grace_s=3.0)
             raise
         state = StoreState(
             state_dir=sd,
-            host=LOOPBACK,
+            host=host,
             memory_bytes=spec.memory_bytes,
             protocol=spec.protocol,
             master_port=ports["master_port"],
@@ -391,16 +391,17 @@ def _died(pid: int, name: str, log_path: Path, ports: dict[str, int]) -> StoreEr
     return StoreError(f"{name} (pid {pid}) exited during startup. Log {log_path}:\n{tail}")
 
 
-def _wait_master(pid: int, log_path: Path, ports: dict[str, int], deadline: float, wait_s: float) -> None:
-    url = f"http://{LOOPBACK}:{ports['metrics_port']}/health"
+def _wait_master(host: str, pid: int, log_path: Path, ports: dict[str, int], deadline: float,
+                 wait_s: float) -> None:
+    url = f"http://{host}:{ports['metrics_port']}/health"
 
     def ready() -> bool:
         h = _http_json(url, 0.5)
         return (
             isinstance(h, dict)
             and bool(h.get("service_ready"))
-            and procs.can_connect(LOOPBACK, ports["master_port"], 0.5)
-            and procs.can_connect(LOOPBACK, ports["metadata_port"], 0.5)
+            and procs.can_connect(host, ports["master_port"], 0.5)
+            and procs.can_connect(host, ports["metadata_port"], 0.5)
         )
 
     _wait_ready(pid, "mooncake_master", log_path, ports, deadline, ready, lambda: (
@@ -410,16 +411,16 @@ def _wait_master(pid: int, log_path: Path, ports: dict[str, int], deadline: floa
 
 
 def _wait_storage(
-    pid: int, log_path: Path, ports: dict[str, int], memory: int, deadline: float, wait_s: float
+    host: str, pid: int, log_path: Path, ports: dict[str, int], memory: int, deadline: float, wait_s: float
 ) -> None:
-    url = f"http://{LOOPBACK}:{ports['metrics_port']}/metrics"
+    url = f"http://{host}:{ports['metrics_port']}/metrics"
     cap = 0
 
     def ready() -> bool:
         nonlocal cap
         text = _http_text(url, 0.5)
         cap = int(parse_prometheus(text).get("master_total_capacity_bytes", 0)) if text else 0
-        return cap >= memory and procs.can_connect(LOOPBACK, ports["client_port"], 0.5)
+        return cap >= memory and procs.can_connect(host, ports["client_port"], 0.5)
 
     _wait_ready(pid, "mooncake_client (storage process)", log_path, ports, deadline, ready, lambda: (
         f"storage process mooncake_client (pid {pid}) did not mount its {format_bytes(memory)} "

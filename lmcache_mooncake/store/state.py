@@ -39,13 +39,17 @@ class StoreSpec:
 
     #: Bytes of store memory owned by the storage process (its global segment).
     memory_bytes: int = 4 * GiB
+    #: Address the master and the storage process bind and announce: 127.0.0.1
+    #: (this host only), or this host's address on the network other hosts'
+    #: instances reach the store through (their ``master_address``).
+    host: str = LOOPBACK
     #: Master RPC port (clients' ``master_addr``).
     master_port: int | None = None
     #: Master's HTTP metadata server port (clients' ``metadata_url``). Listens on all interfaces.
     metadata_port: int | None = None
-    #: Master's admin HTTP port (``/health``, ``/metrics``), bound to 127.0.0.1.
+    #: Master's admin HTTP port (``/health``, ``/metrics``), bound to ``host``.
     metrics_port: int | None = None
-    #: Storage process RPC port, bound to 127.0.0.1 (``shm``-mode clients attach here).
+    #: Storage process RPC port, bound to ``host`` (``shm``-mode clients attach here).
     client_port: int | None = None
     #: Folder for the state file and logs.
     state_dir: Path = field(default_factory=default_state_dir)
