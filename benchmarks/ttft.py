@@ -30,8 +30,11 @@ Rows (``--peers`` chooses the peers; all by default):
   ``LMCacheMPConnector``; fresh vLLM processes read what the writer stored.
 - ``vLLM OffloadingConnector``: vLLM's in-process CPU tier (prefix caching off,
   so a repeat is served by it), measured in the writing process.
+- ``vLLM SimpleCPUOffloadConnector``: vLLM's other in-process CPU tier; it
+  needs prefix caching on, so vLLM's own cache is emptied
+  (``/reset_prefix_cache``, ``VLLM_SERVER_DEV_MODE=1``) before each repeat.
 
-    .venv/bin/python benchmarks/ttft.py [--quick] [--peers mooncake,example,lmcache,offloading] [--json PATH]
+    .venv/bin/python benchmarks/ttft.py [--quick] [--peers mooncake,example,lmcache,offloading,simple-cpu] [--json PATH]
 
 ``--quick`` uses a small model and shorter prompts (a smoke run in minutes).
 Prints a table, writes JSON and a PNG under ``benchmarks/results/``.
@@ -135,6 +138,16 @@ class Server:
 
     def tail(self, n: int = 30) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def reset_prefix_cache(self) -> None:
+        """Empty vLLM's own prefix cache, not the connector's (needs ``VLLM_SERVER_DEV_MODE=1``)."""
+        for _ in range(50):  # refused while blocks are held (a finishing request, an async offload)
+            r = self.client.post("/reset_prefix_cache")
+            r.raise_for_status()
+            if r.json().get("success"):
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.name}: vLLM refused to reset its prefix cache")
 
     def ttft(self, tokens: list[int]) -> tuple[float, int]:
         body = {"model": self.model, "prompt": tokens, "max_tokens": 1, "temperature": 0.0}
@@ -256,10 +269,11 @@ def read_worker_stats(run_dir: Path) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small model, short prompts: a smoke run")
-    ap.add_argument("--peers", default="mooncake,example,offloading",
+    ap.add_argument("--peers", default="mooncake,example,offloading,simple-cpu",
                     help="comma-separated peers to run: mooncake (vLLM's MooncakeStoreConnector), example "
                     "(ExampleConnector), offloading (vLLM's OffloadingConnector, in-process CPU tier: it does "
-                    "not start on the CPU build, which the run records), lmcache (LMCache's multi-process "
+                    "not start on the CPU build, which the run records), simple-cpu (vLLM's SimpleCPUOffloadConnector, "
+                    "in-process CPU tier, vLLM's prefix cache emptied before each repeat), lmcache (LMCache's multi-process "
                     "mode: with LMCache 0.5.6 and vLLM 0.32, vLLM does not finish starting, so it is not in "
                     "the default); '' for none")
     ap.add_argument("--json", type=Path, default=RESULTS / "ttft.json")
@@ -299,12 +313,16 @@ def main(argv: list[str] | None = None) -> int:
         run.rows.append(Measure(config, len(tokens), t, cached, note))
         print(f"  {config:40s} {len(tokens):6d} tokens  TTFT {t * 1000:9.1f} ms  cached {cached}", flush=True)
 
-    def same_process(first: str, repeat: str, s: Server) -> None:
-        """Each family computed once (``first``), then asked again whole and block-aligned (``repeat``)."""
+    def same_process(first: str, repeat: str, s: Server, reset: bool = False) -> None:
+        """Each family computed once (``first``), then asked again whole and block-aligned (``repeat``).
+        ``reset``: empty vLLM's own prefix cache before each repeat (``/reset_prefix_cache``, dev mode),
+        so a connector's in-process tier, not vLLM's cache, serves it."""
         for b, fam in families.items():
             record(first, fam, s)
-            record(repeat, fam, s)
-            record(repeat, fam[:b], s)
+            for tokens in (fam, fam[:b]):
+                if reset:
+                    s.reset_prefix_cache()
+                record(repeat, tokens, s)
 
     def peer(label: str, name: str, kv: dict[str, Any], **server_kw: Any) -> None:
         try:
@@ -373,6 +391,24 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     servers.append(s)
                     same_process("vLLM OffloadingConnector, writing", "vLLM OffloadingConnector, same process", s)
+                    s.stop()
+
+            if "simple-cpu" in peers:
+                # In-process CPU tier; it needs vLLM's prefix cache on, which is emptied before
+                # each repeat so the repeat is served by the connector's CPU tier.
+                kv = {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
+                      "kv_connector_extra_config": {"cpu_bytes_to_use": 2 << 30}}
+                try:
+                    s = Server("simple-cpu", model, work, kv, True, max_len, env={"VLLM_SERVER_DEV_MODE": "1"})
+                except RuntimeError as e:
+                    print(f"  vLLM SimpleCPUOffloadConnector does not start on this build: {str(e)[:300]}",
+                          flush=True)
+                    run.rows.append(Measure("vLLM SimpleCPUOffloadConnector, same process", 0, 0.0, 0,
+                                            note="did not start"))
+                else:
+                    servers.append(s)
+                    same_process("vLLM SimpleCPUOffloadConnector, writing",
+                                 "vLLM SimpleCPUOffloadConnector, same process", s, reset=True)
                     s.stop()
 
         if args.peers_only:
