@@ -98,7 +98,7 @@ def server(model, work, store):
     args = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "4096", "--no-enable-prefix-caching",
             "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(events)]
     srv = Server("both", vllm_command("both", str(model), "127.0.0.1", port, None, args, overrides),
-                 vllm_env(work / "both", {"LMCACHE_MOONCAKE_LOG_LEVEL": "DEBUG"}), port, work / "both.log")
+                 vllm_env(work / "both"), port, work / "both.log")
     sub = Subscriber(f"tcp://127.0.0.1:{events_port}")
     try:
         srv.start().wait_ready()

@@ -186,7 +186,9 @@ class WorkerSide:
         logger.debug("request %s: storing tokens [%d, %d)", op.req_id, op.skip, len(tokens))
         t0 = time.perf_counter()
         rc = request_configs(op.cache_salt, op.lora)
-        chunks = list(self.engine.token_database.process_tokens(tokens, mask=mask, request_configs=rc))
+        # The chunks' keys, when a producer waits for them or KV events name them.
+        chunks = (list(self.engine.token_database.process_tokens(tokens, mask=mask, request_configs=rc))
+                  if self.producer or self.events is not None else [])
         if self.producer:
             # Registered before the store so a failed store still reports the request.
             self._saving[op.req_id] = ([key.to_string() for _, _, key in chunks], None)
