@@ -127,3 +127,65 @@ def test_kv_event_log_and_container():
     assert box.get_all_events() == events and box.get_number_of_workers() == 2
     box.clear_events()
     assert box.get_all_events() == []
+
+
+METRICS_TEXT = """\
+# TYPE vllm:lmcm_chunk_hits counter
+vllm:lmcm_chunk_hits_total{engine="0",model_name="m",tier="store"} 6
+vllm:lmcm_chunk_hits_total{engine="0",model_name="m",tier="disk"} 1
+# TYPE vllm:lmcm_chunk_misses counter
+vllm:lmcm_chunk_misses_total{engine="0",model_name="m",tier="store"} 2
+# TYPE vllm:lmcm_loaded_tokens counter
+vllm:lmcm_loaded_tokens_total{engine="0",model_name="m"} 1500
+# TYPE vllm:lmcm_verify_failures counter
+vllm:lmcm_verify_failures_total{engine="0",model_name="m",tier="disk"} 3
+# TYPE vllm:external_prefix_cache_queries counter
+vllm:external_prefix_cache_queries_total{engine="0",model_name="m"} 2000
+# TYPE vllm:external_prefix_cache_hits counter
+vllm:external_prefix_cache_hits_total{engine="0",model_name="m"} 1500
+"""
+
+
+@pytest.fixture
+def instance():
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = METRICS_TEXT.encode() if self.path == "/metrics" else b""
+            self.send_response(200 if body else 404)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+
+
+def test_stats_report_and_table(instance):
+    from lmcache_mooncake.stats_command import render, report
+
+    rep = report([instance, "http://127.0.0.1:9"], None, read_store=False, timeout_s=2)
+    r = rep["instances"][instance + "/metrics"]
+    assert r["external_hit_rate"] == 0.75 and r["loaded_tokens"] == 1500
+    assert r["tiers"]["store"]["chunk_hits"] == 6 and r["tiers"]["store"]["chunk_hit_rate"] == 0.75
+    assert r["failures"] == {"verify_failures{tier=disk}": 3}
+    assert "could not read metrics from http://127.0.0.1:9/metrics" in rep["instances"]["http://127.0.0.1:9/metrics"]["error"]
+    table = render(rep)
+    assert "75.0%" in table and "verify_failures{tier=disk} = 3" in table and "127.0.0.1:9 " in table
+
+
+def test_up_demo_names_the_tier_that_served():
+    from lmcache_mooncake.stack import _tier
+
+    zero = parse(METRICS_TEXT.replace(" 6\n", " 0\n").replace(" 1500\n", " 0\n"))
+    full = parse(METRICS_TEXT)
+    assert _tier(zero, full, cached=1499) == "Mooncake store"
+    assert _tier(parse(METRICS_TEXT.replace(" 1500\n", " 0\n")), full, cached=1499) == "CPU tier"
+    assert _tier(full, full, cached=1499) == "vLLM prefix cache"
+    assert _tier(full, full, cached=0) == "-"
