@@ -255,12 +255,19 @@ def memcpy_gbps(nbytes: int) -> float:
     return nbytes / memcpy_s(nbytes) / 1e9
 
 
-def read_worker_stats(run_dir: Path) -> dict[str, int]:
-    total: dict[str, int] = {}
-    for p in run_dir.glob("stats-*.json"):
-        for k, v in json.loads(p.read_text()).items():
-            total[k] = total.get(k, 0) + int(v)
-    return total
+def read_connector_metrics(server: Server) -> dict[str, float]:
+    """Our counters on ``server``'s /metrics (summed over labels but ``tier``), read before it stops."""
+    from lmcache_mooncake.metrics_client import fetch
+
+    time.sleep(0.5)  # the last step's stats reach the API process just after its answer
+    m = fetch(server.url)
+    out: dict[str, float] = {}
+    for (name, labels), v in m.samples.items():
+        if name.startswith("vllm:lmcm_") and not name.endswith(("_bucket", "_created")):
+            tier = dict(labels).get("tier")
+            key = name.removeprefix("vllm:lmcm_") + (f"{{tier={tier}}}" if tier else "")
+            out[key] = out.get(key, 0.0) + v
+    return out
 
 
 # -- the run ----------------------------------------------------------------------------------
@@ -423,8 +430,8 @@ def main(argv: list[str] | None = None) -> int:
                    max_len)
         servers.append(s)
         same_process("ours, writing (recompute + save)", "ours, CPU tier, same process", s)
+        kv_bytes_per_token = _bytes_per_token(read_connector_metrics(s))
         s.stop()
-        kv_bytes_per_token = _bytes_per_token(read_worker_stats(work / "ours-writer" / "run"))
 
         # 3. fresh readers, one tier each; one process for the one-past prompts, one for the aligned.
         readers = {
@@ -446,8 +453,8 @@ def main(argv: list[str] | None = None) -> int:
                         run.profile = prof.summary()
                     else:
                         record(label, prompt, s)
+                run.load_stats[name] = read_connector_metrics(s)
                 s.stop()
-                run.load_stats[name] = read_worker_stats(rdir)
 
         # 4. a short request sent while a long prompt loads, with loads synchronous and asynchronous.
         longest = families[max(bases)]
@@ -543,9 +550,9 @@ def _short_during_load(server: Server, long_prompt: list[int], short: list[int])
     return short_s, out["long"]
 
 
-def _bytes_per_token(stats: dict[str, int]) -> int:
-    tokens = stats.get("saved_tokens", 0)
-    written = stats.get("store_bytes_written", 0) or stats.get("disk_bytes_written", 0)
+def _bytes_per_token(stats: dict[str, float]) -> int:
+    tokens = stats.get("saved_tokens_total", 0)
+    written = stats.get("written_bytes_total{tier=store}", 0) or stats.get("written_bytes_total{tier=disk}", 0)
     return int(written / tokens) if tokens else 0
 
 

@@ -40,6 +40,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("lmcache_mooncake.serve",
               "start vLLM's OpenAI server as a prefill, decode or both instance with the connector"),
     "make-model": ("lmcache_mooncake.testing.models", "build a deterministic test model folder (no hub needed)"),
+    "stats": ("lmcache_mooncake.stats_command", "read running instances' /metrics and the store: hits, bytes, failures"),
     "demo": ("lmcache_mooncake.demo", "run one vLLM instance twice on a generated model and show the cache hits"),
 }
 

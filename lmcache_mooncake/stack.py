@@ -30,8 +30,8 @@ from typing import Any
 import httpx
 
 from lmcache_mooncake import procs
+from lmcache_mooncake.metrics_client import MetricsSnapshot, fetch
 from lmcache_mooncake.serve import default_config_file, vllm_command
-from lmcache_mooncake.stats import read_stats
 from lmcache_mooncake.testing.prompts import demo_requests
 
 
@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nlmcache-mooncake stack is up: OpenAI API at http://127.0.0.1:{args.port}/v1 "
               f"(model {model}). Ctrl-C stops it.\n", flush=True)
         if args.demo:
-            rc = run_demo(f"http://127.0.0.1:{args.port}", model, work / "decode-run")
+            rc = run_demo(f"http://127.0.0.1:{args.port}", model, f"http://127.0.0.1:{ports['decode']}")
             return rc
         while not stop_event.wait(1.0):
             for child in stack.children:
@@ -178,22 +178,25 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(s, h)
 
 
-def _tier(delta: dict[str, int], cached: int) -> str:
-    if delta.get("store_hits", 0) > 0:
+def _tier(before: MetricsSnapshot, after: MetricsSnapshot, cached: int) -> str:
+    def grew(name: str, **labels: str) -> bool:
+        return after.count(name, **labels) > before.count(name, **labels)
+
+    if grew("vllm:lmcm_chunk_hits", tier="store"):
         return "Mooncake store"
-    if delta.get("loaded_tokens", 0) > 0:
+    if grew("vllm:lmcm_loaded_tokens"):
         return "CPU tier"
     if cached > 0:
         return "vLLM prefix cache"
     return "-"
 
 
-def run_demo(base_url: str, model: str, decode_run: Path) -> int:
+def run_demo(base_url: str, model: str, decode_url: str) -> int:
     vocab = int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
     rows = []
     with httpx.Client(timeout=600) as client:
         for label, prompt in demo_requests(vocab):
-            before = read_stats(decode_run)
+            before = fetch(decode_url)
             t0 = time.perf_counter()
             ttft = None
             usage = {}
@@ -211,11 +214,10 @@ def run_demo(base_url: str, model: str, decode_run: Path) -> int:
                         ttft = time.perf_counter() - t0
                     if data.get("usage"):
                         usage = data["usage"]
-            time.sleep(0.6)  # counters are written at most every 0.5 s
-            after = read_stats(decode_run)
-            delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+            time.sleep(0.5)  # the decode's last step's stats reach its /metrics just after its answer
+            after = fetch(decode_url)
             cached = int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
-            rows.append((label, len(prompt), cached, (ttft or 0) * 1000, _tier(delta, cached)))
+            rows.append((label, len(prompt), cached, (ttft or 0) * 1000, _tier(before, after, cached)))
     print(f"{'request':<20} {'prompt tokens':>13} {'cached (decode)':>15} {'TTFT ms':>9}  served by")
     for label, n, cached, ttft, tier in rows:
         print(f"{label:<20} {n:>13} {cached:>15} {ttft:>9.1f}  {tier}")

@@ -1,8 +1,17 @@
-"""Counters of what the connector did (hits, writes, failures), one set per engine.
+"""Counters and timing samples of what the connector did, one set per engine (or scheduler side).
 
-The worker side writes them as JSON to ``<run_dir>/stats-rank<N>.json`` so
-tests, the demo and operators can read what happened inside vLLM's worker
-process.
+A :class:`Stats` is owned by the object whose work it counts (an engine's
+:class:`~lmcache_mooncake.tiers.base.EngineContext`, the scheduler side). Its
+figures leave the process through vLLM's connector stats hook:
+:meth:`Stats.take` returns what changed since the last take, which the
+connector hands to vLLM (:mod:`lmcache_mooncake.metrics` turns it into
+Prometheus metrics and vLLM's periodic log line).
+
+Offline runs (vLLM's ``LLM`` in a child process, used by warm-up and some
+tests) have no ``/metrics`` endpoint, and writes that end after a run's last
+step never reach vLLM's stats; for them alone the worker also writes its
+cumulative counters to ``<run_dir>/stats-<side>.json`` (:meth:`Stats.dump`),
+read back as metrics by :func:`lmcache_mooncake.metrics.read_offline_metrics`.
 """
 
 from __future__ import annotations
@@ -16,19 +25,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+#: At most this many timing samples per name are kept between two takes.
+MAX_SAMPLES = 4096
+
 
 class Stats:
-    """A thread-safe counter with a JSON dump."""
+    """Thread-safe counters and timing samples; see the module docstring."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
+        self._samples: dict[str, list[float]] = {}
+        self._taken: dict[str, int] = {}
         self._dirty = False
         self._last_dump = 0.0
         self._providers: list[tuple[str, Callable[[], dict[str, Any]]]] = []
 
     def register(self, prefix: str, provider: Callable[[], dict[str, Any]]) -> None:
-        """Include ``provider()``'s integer counters, named ``prefix + name``, in every snapshot."""
+        """Include ``provider()``'s cumulative integer counters, named ``prefix + name``, in every snapshot."""
         with self._lock:
             self._providers.append((prefix, provider))
 
@@ -37,7 +51,16 @@ class Stats:
             self._counts[name] += n
             self._dirty = True
 
+    def observe(self, name: str, value: float) -> None:
+        """Record one timing sample (seconds) for the histogram ``name``."""
+        with self._lock:
+            samples = self._samples.setdefault(name, [])
+            if len(samples) < MAX_SAMPLES:
+                samples.append(value)
+            self._dirty = True
+
     def snapshot(self) -> dict[str, int]:
+        """Cumulative counters since creation (providers included)."""
         with self._lock:
             data = dict(self._counts)
             providers = list(self._providers)
@@ -47,9 +70,19 @@ class Stats:
                     data[prefix + name] = value
         return data
 
+    def take(self) -> dict[str, Any]:
+        """``{"counters": {name: increase}, "samples": {name: [seconds]}}`` since the last take
+        (only non-zero increases). One reader takes: the connector, for vLLM."""
+        snap = self.snapshot()
+        with self._lock:
+            counters = {k: v - self._taken.get(k, 0) for k, v in snap.items() if v != self._taken.get(k, 0)}
+            self._taken = snap
+            samples, self._samples = self._samples, {}
+        return {"counters": counters, "samples": samples}
+
     def dump(self, path: Path, force: bool = False, min_interval_s: float = 0.5) -> None:
-        """Write the counters to ``path`` atomically, if they may have changed since the
-        last dump and (unless ``force``) ``min_interval_s`` has passed."""
+        """Write the cumulative counters to ``path`` atomically (the offline fallback), if they may
+        have changed since the last dump and (unless ``force``) ``min_interval_s`` has passed."""
         now = time.monotonic()
         with self._lock:
             if not force and (not (self._dirty or self._providers) or now - self._last_dump < min_interval_s):
@@ -62,8 +95,8 @@ class Stats:
         os.replace(tmp, path)
 
 
-def read_stats(run_dir: str | os.PathLike[str]) -> dict[str, int]:
-    """Sum the counters every process of an instance (scheduler, workers) wrote under ``run_dir``."""
+def read_dumps(run_dir: str | os.PathLike[str]) -> dict[str, int]:
+    """Sum the cumulative counters every process of an offline run wrote under ``run_dir``."""
     total: Counter[str] = Counter()
     for p in Path(run_dir).glob("stats-*.json"):
         total.update(json.loads(p.read_text()))

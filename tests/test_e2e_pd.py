@@ -18,9 +18,9 @@ import psutil
 import pytest
 from servers import Server
 
+from lmcache_mooncake.metrics_client import fetch
 from lmcache_mooncake.procs import free_port
 from lmcache_mooncake.serve import vllm_command
-from lmcache_mooncake.stats import read_stats
 from lmcache_mooncake.store.launcher import StoreSpec, start_store, stop_store
 from lmcache_mooncake.testing.models import ModelSpec, build_model
 from lmcache_mooncake.testing.offline import vllm_env
@@ -139,11 +139,10 @@ def test_chat_through_proxy_matches_single_instance(servers, model, stream):
 
 
 def test_decode_loaded_from_store_and_prefill_held_until_durable(servers):
-    decode = read_stats(Path(servers["decode"].log).parent / "decode-run")
-    prefill = read_stats(Path(servers["prefill"].log).parent / "prefill-run")
-    assert decode.get("store_hits", 0) > 0
-    assert decode.get("store_puts", 0) == 0  # a consumer saves nothing
-    assert prefill.get("producer_requests_durable", 0) > 0
+    decode, prefill = fetch(servers["decode"].url), fetch(servers["prefill"].url)
+    assert decode.count("vllm:lmcm_chunk_hits", tier="store") > 0
+    assert decode.count("vllm:lmcm_chunks_written", tier="store") == 0  # a consumer saves nothing
+    assert prefill.count("vllm:lmcm_producer_requests_durable") > 0
 
 
 def test_decode_killed_mid_stream_gives_an_error_then_recovers(servers, model):

@@ -16,7 +16,7 @@ import pytest
 
 from lmcache_mooncake import keys
 from lmcache_mooncake.keys import KeyNamespace
-from lmcache_mooncake.stats import read_stats
+from lmcache_mooncake.metrics_client import read_offline
 from lmcache_mooncake.store.client import StoreClient
 from lmcache_mooncake.store.launcher import StoreSpec, read_state, start_store, stop_store
 from lmcache_mooncake.testing.models import ModelSpec, build_model
@@ -99,7 +99,8 @@ def test_second_instance_hits_from_store_only(model, store, baseline, tmp_path):
         inst.stop()
     for p, r in zip(PROMPTS, res_a, strict=True):
         assert r.output_ids == baseline[tuple(p)] and r.cached_tokens == 0
-    assert read_stats(tmp_path / "a-run")["store_puts"] == len(object_names(model, PROMPTS))
+    assert read_offline(tmp_path / "a-run").count("vllm:lmcm_chunks_written", tier="store") == len(
+        object_names(model, PROMPTS))
 
     b = spec_for(model, store, tmp_path / "b-run")
     with Instance(b, tmp_path / "b") as inst:
@@ -108,9 +109,9 @@ def test_second_instance_hits_from_store_only(model, store, baseline, tmp_path):
     for p, r in zip(PROMPTS, res_b, strict=True):
         assert r.output_ids == baseline[tuple(p)]
     expect_full_hits(res_b, PROMPTS)
-    stats = read_stats(tmp_path / "b-run")
-    assert stats["store_hits"] == len(object_names(model, PROMPTS))
-    assert stats.get("verify_failures", 0) == 0
+    stats = read_offline(tmp_path / "b-run")
+    assert stats.count("vllm:lmcm_chunk_hits", tier="store") == len(object_names(model, PROMPTS))
+    assert stats.count("vllm:lmcm_verify_failures") == 0
 
 
 def test_chunks_survive_a_killed_writer(model, store, baseline, tmp_path):
@@ -148,7 +149,7 @@ def test_store_down_recomputes_then_resumes_without_restart(model, store, baseli
 
         time.sleep(0.6)  # counters are written at most every 0.5 s, at a step
         inst.run(rand_prompts(12, [40]))
-        before = read_stats(tmp_path / "c-run").get("store_client_reconnects", 0)
+        before = read_offline(tmp_path / "c-run").count("vllm:lmcm_store_reconnects")
         stop_store(store)
         # Same ports: the vLLM process keeps the addresses it started with.
         start_store(StoreSpec(memory_bytes=512 << 20, state_dir=store, master_port=state.master_port,
@@ -158,7 +159,7 @@ def test_store_down_recomputes_then_resumes_without_restart(model, store, baseli
         # give it the chance, and the counters show when it has.
         deadline = time.monotonic() + 60
         seed = 100
-        while read_stats(tmp_path / "c-run").get("store_client_reconnects", 0) <= before:
+        while read_offline(tmp_path / "c-run").count("vllm:lmcm_store_reconnects") <= before:
             assert time.monotonic() < deadline, "the store client did not reconnect"
             seed += 1
             inst.run(rand_prompts(seed, [40]))
@@ -172,8 +173,10 @@ def test_store_down_recomputes_then_resumes_without_restart(model, store, baseli
     finally:
         if inst.proc.poll() is None:
             inst.kill()
-    stats = read_stats(tmp_path / "c-run")
-    assert stats["store_client_timeouts"] + stats["store_client_unavailable"] > 0  # the outage was counted
+    stats = read_offline(tmp_path / "c-run")
+    # the outage was counted
+    assert stats.count("vllm:lmcm_store_errors", kind="timeout") + stats.count("vllm:lmcm_store_errors",
+                                                                             kind="unavailable") > 0
 
     res = run_instance(spec_for(model, store, tmp_path / "d-run", prompts=after), tmp_path / "d")
     expect_full_hits(res, after)
@@ -193,8 +196,9 @@ def test_store_smaller_than_working_set_evicts_and_stays_correct(model, tmp_path
                                    max_tokens=10), tmp_path / "ref")
         for w, r, b in zip(res_write, res_read, ref, strict=True):
             assert w.output_ids == b.output_ids and r.output_ids == b.output_ids
-        stats = read_stats(tmp_path / "f-run")
-        assert stats["store_puts"] + stats.get("store_put_failures", 0) == 64
+        stats = read_offline(tmp_path / "f-run")
+        assert stats.count("vllm:lmcm_chunks_written", tier="store") + stats.count("vllm:lmcm_write_errors",
+                                                                                  tier="store") == 64
         hits = sum(r.cached_tokens for r in res_read)
         assert 0 < hits < sum(len(p) - 1 for p in prompts)  # some, not all: the store evicted
     finally:
@@ -211,7 +215,7 @@ def test_producer_then_consumer_roles(model, store, baseline, tmp_path):
     for p, promise in zip(prompts, promises, strict=True):
         assert promise == {"lmcache_mooncake": {"stored_prompt_tokens": len(p)}}
     # The producer held each request until its chunks were in the store.
-    assert read_stats(tmp_path / "p-run")["producer_requests_durable"] == len(prompts)
+    assert read_offline(tmp_path / "p-run").count("vllm:lmcm_producer_requests_durable") == len(prompts)
 
     cons = spec_for(model, store, tmp_path / "c-run", kv_role="kv_consumer")
     cons.extra_config["load_wait_timeout"] = 2.0
@@ -228,7 +232,7 @@ def test_producer_then_consumer_roles(model, store, baseline, tmp_path):
     assert res_fake[0].output_ids == baseline[tuple(never_stored[0])]
     assert res_fake[0].cached_tokens == 0
     assert res_fake[0].ttft_s >= 2.0
-    stats = read_stats(tmp_path / "c-run")
-    assert stats["consumer_requests"] == len(prompts) + 1
-    assert stats["consumer_short_hits"] == 1
-    assert stats.get("store_puts", 0) == 0  # a consumer saves nothing
+    stats = read_offline(tmp_path / "c-run")
+    assert stats.count("vllm:lmcm_consumer_requests") == len(prompts) + 1
+    assert stats.count("vllm:lmcm_consumer_short_hits") == 1
+    assert stats.count("vllm:lmcm_chunks_written", tier="store") == 0  # a consumer saves nothing

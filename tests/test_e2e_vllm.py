@@ -26,7 +26,7 @@ import pytest
 from lmcache_mooncake import keys
 from lmcache_mooncake.chunk_format import decode
 from lmcache_mooncake.keys import KeyNamespace, chunk_keys
-from lmcache_mooncake.stats import read_stats
+from lmcache_mooncake.metrics_client import MetricsSnapshot, read_offline
 from lmcache_mooncake.testing.models import ModelSpec, build_model
 from lmcache_mooncake.testing.offline import RunSpec, run_instance
 
@@ -96,7 +96,7 @@ def _run(model: Path, work: Path, name: str, plan, *, disk: Path | None, role: s
         max_tokens=12,
     )
     results = run_instance(spec, work / name)
-    stats = read_stats(work / name / "run") if role else {}
+    stats = read_offline(work / name / "run") if role else MetricsSnapshot()
     return {(n, s): r for (n, s), r in zip(plan, results, strict=True)}, stats
 
 
@@ -136,7 +136,7 @@ def test_writer_matches_recompute_and_stores_chunks(baseline, run_a, disk):
     # short: 1 partial; exact: 2; plus: 2 + 1 partial; x: 2 + 1 partial;
     # z: 1 + 1 partial (chunk 0 is x's); salted: 1 + 1 partial
     assert len(list(disk.glob("*/*.lmcm"))) == 13
-    assert stats["disk_writes"] == 13
+    assert stats.count("vllm:lmcm_chunks_written", tier="disk") == 13
 
 
 def test_fresh_process_loads_and_matches_recompute(baseline, run_b):
@@ -153,7 +153,7 @@ def test_fresh_process_loads_and_matches_recompute(baseline, run_b):
     assert cached[("x", None)] == 599
     # z: 384 tokens from vLLM's prefix cache (x's blocks), the rest loaded.
     assert cached[("z", None)] == 749
-    assert stats["disk_hits"] >= 1 + 2 + 3 + 1 + 2 + 3
+    assert stats.count("vllm:lmcm_chunk_hits", tier="disk") >= 1 + 2 + 3 + 1 + 2 + 3
 
 
 def test_cache_salt_separates_tenants(run_b):
@@ -181,7 +181,7 @@ def test_damaged_chunk_is_a_miss_and_output_stays_right(model, work, disk, basel
         assert r.output_ids == baseline[name], name
     assert results[("exact", None)].cached_tokens == CHUNK  # chunk 0 only
     assert results[("plus", None)].cached_tokens == 2 * CHUNK + 17
-    assert stats["verify_failures"] == 1
+    assert stats.count("vllm:lmcm_verify_failures") == 1
     # The damaged file was removed; C recomputed the chunk and stored a good copy.
     good = decode(victim.read_bytes(), victim_key(ns, second))
     assert good.shape[2] == CHUNK

@@ -18,9 +18,9 @@ from servers import Server
 
 from lmcache_mooncake import keys
 from lmcache_mooncake.keys import KeyNamespace
+from lmcache_mooncake.metrics_client import fetch
 from lmcache_mooncake.procs import free_port
 from lmcache_mooncake.serve import vllm_command
-from lmcache_mooncake.stats import read_stats
 from lmcache_mooncake.store.client import StoreClient
 from lmcache_mooncake.store.launcher import StoreSpec, start_store, stop_store, store_status
 from lmcache_mooncake.testing.models import ModelSpec, build_model
@@ -172,10 +172,11 @@ def test_decode_instance_serves_warmed_prompts_from_the_store(model, work, warme
             assert usage["prompt_tokens_details"]["cached_tokens"] == len(item.token_ids) - 1, item.where
             # ... and generated what a plain vLLM computes.
             assert choice["token_ids"] == ref.output_ids, item.where
-    stats = read_stats(work / "decode-run")
+    time.sleep(0.5)  # the last step's stats reach /metrics just after the answer
+    stats = fetch(decode.url)
     # Its CPU tier started empty and it has no disk tier: the hits came from the store.
-    assert 0 < stats.get("store_hits", 0) <= len(expected_names(model, summary))
-    assert stats.get("store_puts", 0) == 0 and stats.get("verify_failures", 0) == 0
+    assert 0 < stats.count("vllm:lmcm_chunk_hits", tier="store") <= len(expected_names(model, summary))
+    assert stats.count("vllm:lmcm_chunks_written", tier="store") == 0 and stats.count("vllm:lmcm_verify_failures") == 0
 
 
 def test_second_warmup_writes_nothing_and_says_so(model, work, store, input_files, warmed, capsys):

@@ -36,14 +36,21 @@ from lmcache_mooncake.connector.metadata import StepMetadata
 from lmcache_mooncake.connector.scheduler import SchedulerSide
 from lmcache_mooncake.connector.worker import WorkerSide
 from lmcache_mooncake.keys import model_identity
+from lmcache_mooncake.kv_events import ChunkEvents
 from lmcache_mooncake.logs import setup_logging
+from lmcache_mooncake.metrics import LMCacheMooncakePromMetrics, LMCacheMooncakeStats
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 setup_logging()
@@ -74,6 +81,11 @@ def _backend_name(vllm_config: VllmConfig) -> str:
     return names.pop()
 
 
+def _kv_events_on(vllm_config: VllmConfig) -> bool:
+    kec = getattr(vllm_config, "kv_events_config", None)
+    return bool(kec is not None and kec.enable_kv_cache_events)
+
+
 class LMCacheMooncakeConnector(KVConnectorBase_V1):
     """Saves and loads content-hashed KV chunks through LMCache's tiers."""
 
@@ -90,6 +102,7 @@ class LMCacheMooncakeConnector(KVConnectorBase_V1):
         save = ktc.kv_role in ("kv_both", "kv_producer")
         load = ktc.kv_role in ("kv_both", "kv_consumer")
 
+        self._events: list[KVCacheEvent] = []  # scheduler: workers' KV events not yet taken
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -117,6 +130,7 @@ class LMCacheMooncakeConnector(KVConnectorBase_V1):
                 tp_rank=get_tensor_model_parallel_rank(),
                 tp_size=get_tensor_model_parallel_world_size(),
                 producer=save and not load,
+                publish_events=_kv_events_on(vllm_config),
             )
         logger.info("LMCacheMooncakeConnector (%s, %s) config: %s", role.name, ktc.kv_role, self.cfg)
 
@@ -171,6 +185,46 @@ class LMCacheMooncakeConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Worker: blocks whose planned load failed this step; vLLM recomputes them."""
         return self._worker.take_failed_blocks() if self._worker is not None else set()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Both sides, after every step: what this side counted since the last call
+        (the worker: its engine and tiers; the scheduler: consumer waits and producer
+        holds). vLLM aggregates them and feeds its log line and ``/metrics``."""
+        side = self._worker if self._worker is not None else self._scheduler
+        if side is None:
+            return None
+        stats = LMCacheMooncakeStats(data=side.take_stats())
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        """API process: rebuild our stats from the dict the scheduler sent."""
+        return LMCacheMooncakeStats(data=data) if data is not None else LMCacheMooncakeStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> LMCacheMooncakePromMetrics:
+        """API process: our Prometheus metrics (docs/metrics.md), registered once."""
+        return LMCacheMooncakePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def get_kv_connector_kv_cache_events(self) -> ChunkEvents | None:
+        """Worker, after every step: chunks stored and removed since the last call, as vLLM
+        KV events (:mod:`lmcache_mooncake.kv_events`); None when there are none."""
+        events = self._worker.take_events() if self._worker is not None else []
+        return ChunkEvents(events) if events else None
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Scheduler, after every step: keep the workers' KV events until vLLM takes them."""
+        events = connector_output.kv_cache_events
+        if isinstance(events, ChunkEvents):
+            self._events.extend(events.get_all_events())
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """Scheduler: the workers' KV events since the last call (vLLM publishes them)."""
+        events, self._events = self._events, []
+        if events:
+            logger.debug("publishing %d KV events", len(events))
+        return events
 
     def shutdown(self) -> None:
         """Both sides: drain pending writes and close the tiers."""

@@ -119,7 +119,7 @@ class SchedulerSide:
             )
         if promised:
             self.stats.add("consumer_requests")
-            self.stats.add("consumer_wait_ms", int((now - (rec.waiting_since or now)) * 1000))
+            self.stats.observe("consumer_wait_s", now - (rec.waiting_since or now))
         rec.external_hit, rec.local_computed, rec.looked_up = hit, num_computed_tokens, True
         if not self.load_enabled:
             return 0, False
@@ -250,9 +250,15 @@ class SchedulerSide:
         if not self.producer or rec is None or not rec.stored_tokens:
             return False, None
         params = {PARAMS_KEY: {"stored_prompt_tokens": rec.stored_tokens}}
+        if rec.save_planned:
+            self.stats.add("producer_requests_held")
         # Saves copy out of paged KV within their step; what we wait for is the
         # write to the shared tier, reported by the workers in get_finished.
         return rec.save_planned, params
+
+    def take_stats(self) -> dict:
+        """What the scheduler side counted since the last call (for vLLM's stats hook)."""
+        return self.stats.take()
 
     def shutdown(self) -> None:
         self.stats.dump(self.stats_path, force=True)

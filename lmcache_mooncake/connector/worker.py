@@ -21,9 +21,15 @@ from lmcache_mooncake.connector.lookup import LookupServer
 from lmcache_mooncake.connector.metadata import LoadOp, SaveOp, StepMetadata
 from lmcache_mooncake.engine import build_engine, close_engine, context, request_configs, write_barrier
 from lmcache_mooncake.keys import KeyNamespace, namespace_for
+from lmcache_mooncake.kv_events import KVEventLog
 from lmcache_mooncake.stats import Stats
 
 logger = logging.getLogger(__name__)
+
+
+def _digest(key) -> bytes:
+    """LMCache's key of one of our chunks -> the chunk's 32-byte digest (our chunk key)."""
+    return int(key.chunk_hash).to_bytes(32, "big")
 
 
 class WorkerSide:
@@ -39,6 +45,7 @@ class WorkerSide:
         tp_rank: int,
         tp_size: int,
         producer: bool = False,
+        publish_events: bool = False,
     ):
         self.cfg = cfg
         self.model_id = model_id
@@ -65,6 +72,11 @@ class WorkerSide:
         self.stats_path = run_dir / f"stats-rank{tp_rank}.json"
         # The engine's own counters (its tiers count into them too).
         self.stats: Stats = context(instance_id).stats
+        # Stored/removed chunks for vLLM's KV events, only when vLLM publishes them.
+        self.events: KVEventLog | None = None
+        if publish_events:
+            self.events = context(instance_id).events = KVEventLog()
+            logger.info("stored and evicted chunks are published as vLLM KV events (medium %r)", "lmcm")
 
     # -- set-up ------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -79,9 +91,14 @@ class WorkerSide:
         self.engine = build_engine(self.cfg, self.namespace, self.layout, first.dtype, self.instance_id)
         if self.tp_rank == 0:
             self.lookup_server = LookupServer(self.lookup_socket, self.lookup)
+        ns = self.namespace
+        # Compare these lines of a writer and a reader when a reader finds nothing:
+        # any difference in them gives the two different keys.
         logger.info(
-            "lmcache-mooncake worker ready: %s layout, %d layers, namespace %s, disk tier %s",
-            self.layout.name, len(self.kv_caches), self.namespace.hex(), self.cfg.disk_path,
+            "lmcache-mooncake worker ready (TP rank %d of %d): key namespace %s = model %r, KV dtype %s, "
+            "%d layers, %d KV heads, head size %d, chunk size %d; %s layout, disk tier %s",
+            self.tp_rank, self.tp_size, ns.hex(), ns.model, ns.kv_dtype, ns.num_layers, ns.num_kv_heads,
+            ns.head_size, ns.chunk_size, self.layout.name, self.cfg.disk_path,
         )
 
     def _require_engine(self) -> None:
@@ -95,7 +112,7 @@ class WorkerSide:
         hit = self.engine.lookup(tokens=tokens, request_configs=request_configs(salt, lora))
         self.stats.add("lookups")
         self.stats.add("lookup_hit_tokens", hit)
-        self.stats.add("lookup_us", int((time.perf_counter() - t0) * 1e6))
+        self.stats.observe("lookup_s", time.perf_counter() - t0)
         return hit
 
     # -- per step ----------------------------------------------------------
@@ -149,10 +166,10 @@ class WorkerSide:
                 op.req_id, max(loaded, op.start) - op.start, op.end - op.start, len(bad),
             )
         self.stats.add("loaded_tokens", max(min(loaded, op.end) - op.start, 0))
-        self.stats.add("load_us", int((time.perf_counter() - t0) * 1e6))
+        self.stats.observe("load_s", time.perf_counter() - t0)
         self.stats.add("loads_async" if op.asynchronous else "loads_sync")
-        # On disk before vLLM hears the load is done: whoever reads the counters
-        # after the request's answer sees this load in them.
+        # Offline fallback: on disk before vLLM hears the load is done, so whoever
+        # reads the counters after the request's answer sees this load in them.
         self.stats.dump(self.stats_path, force=True)
         return set(bad)
 
@@ -169,12 +186,12 @@ class WorkerSide:
         logger.debug("request %s: storing tokens [%d, %d)", op.req_id, op.skip, len(tokens))
         t0 = time.perf_counter()
         rc = request_configs(op.cache_salt, op.lora)
+        # The chunks' keys, when a producer waits for them or KV events name them.
+        chunks = (list(self.engine.token_database.process_tokens(tokens, mask=mask, request_configs=rc))
+                  if self.producer or self.events is not None else [])
         if self.producer:
             # Registered before the store so a failed store still reports the request.
-            self._saving[op.req_id] = ([
-                key.to_string()
-                for _, _, key in self.engine.token_database.process_tokens(tokens, mask=mask, request_configs=rc)
-            ], None)
+            self._saving[op.req_id] = ([key.to_string() for _, _, key in chunks], None)
         try:
             self.engine.store(
                 tokens,
@@ -195,7 +212,23 @@ class WorkerSide:
                 # has run, every one of them is tracked (engine.write_barrier).
                 self._saving[op.req_id] = (self._saving[op.req_id][0], write_barrier(self.engine))
         self.stats.add("saved_tokens", len(tokens) - op.skip)
-        self.stats.add("save_us", int((time.perf_counter() - t0) * 1e6))
+        if self.events is not None and chunks:
+            self._publish_stored(op, tokens, chunks, rc)
+        self.stats.observe("save_s", time.perf_counter() - t0)
+
+    def _publish_stored(self, op: SaveOp, tokens: torch.Tensor, chunks: list, rc: dict | None) -> None:
+        """One BlockStored event for the chunks of ``op`` (see :mod:`lmcache_mooncake.kv_events`)."""
+        first = chunks[0][0]
+        parent = None
+        if first > 0:
+            *_, (_, _, before) = self.engine.token_database.process_tokens(tokens[:first], request_configs=rc)
+            parent = _digest(before)
+        self.events.stored([_digest(key) for _, _, key in chunks], parent, op.token_ids[first : chunks[-1][1]],
+                           self.cfg.chunk_size, op.lora)
+
+    def take_events(self) -> list:
+        """KV events since the last call (empty when vLLM's KV events are off)."""
+        return self.events.take() if self.events is not None else []
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """``(saved, loaded)``: a producer's finished requests whose chunks are now
@@ -227,6 +260,10 @@ class WorkerSide:
         if done:
             self.stats.add("producer_requests_durable", len(done))
         return done or None
+
+    def take_stats(self) -> dict:
+        """What this engine counted since the last call (for vLLM's stats hook)."""
+        return self.stats.take()
 
     def take_failed_blocks(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

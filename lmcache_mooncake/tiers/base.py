@@ -3,8 +3,8 @@
 LMCache builds a remote plug-in itself, as ``cls(loop=, local_cpu_backend=,
 config=)``, so a tier cannot be handed objects by its caller. What the
 worker and an engine's tiers share lives in one :class:`EngineContext` per
-engine, found by the engine's ``lmcache_instance_id``: its counters, its
-write tracking, the typed settings of each tier, and the headers of chunks
+engine, found by the engine's ``lmcache_instance_id``: its counters, its KV
+events, its write tracking, the typed settings of each tier, and the headers of chunks
 being written (each chunk is hashed once however many tiers it goes to).
 Two engines in one process (tests, warm-up) never mix their figures.
 
@@ -38,6 +38,7 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from lmcache_mooncake import chunk_format
+from lmcache_mooncake.kv_events import KVEventLog
 from lmcache_mooncake.stats import Stats
 from lmcache_mooncake.tiers.writes import WriteTracker
 
@@ -84,6 +85,8 @@ class EngineContext:
     def __init__(self, instance_id: str):
         self.instance_id = instance_id
         self.stats = Stats()
+        #: Stored and removed chunks, for vLLM's KV events (None: events are off).
+        self.events: KVEventLog | None = None
         self.writes = WriteTracker()
         self.headers = HeaderCache()
         #: Typed settings of each tier, by plug-in name, set by ``engine.build_engine``.

@@ -101,7 +101,7 @@ class DiskTierConnector(VerifiedTier):
             self._verified.pop(path, None)
 
     def _discard_bad(self, path: Path, why: str) -> None:
-        self.stats.add("verify_failures")
+        self.stats.add("disk_verify_failures")
         logger.warning("disk tier: chunk %s failed verification (%s); removed, will recompute", path, why)
         try:
             path.unlink()
@@ -143,6 +143,7 @@ class DiskTierConnector(VerifiedTier):
                 return None
         with self._lock:
             self._verified[str(path)] = (st.st_size, st.st_mtime_ns)
+        self.stats.add("disk_bytes_read", st.st_size)
         return obj
 
     def _verify_unkept(self, path: Path, key: CacheEngineKey) -> bool:
@@ -163,6 +164,7 @@ class DiskTierConnector(VerifiedTier):
 
     # -- VerifiedTier --------------------------------------------------------
     def _contains_prefix(self, keys_: list[CacheEngineKey]) -> int:
+        self.stats.add("disk_lookups")
         hits = 0
         for key in keys_:
             if not self._contains(key):
@@ -249,7 +251,9 @@ class DiskTierConnector(VerifiedTier):
                 os.unlink(victim)
                 self.stats.add("disk_evictions")
             except FileNotFoundError:
-                pass
+                continue
+            if self.ctx.events is not None:
+                self.ctx.events.removed([bytes.fromhex(Path(victim).name.removesuffix(SUFFIX))], "disk")
 
     async def list(self) -> list[str]:
         return [Path(p).name for p in self._sizes]

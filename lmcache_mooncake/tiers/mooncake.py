@@ -118,7 +118,7 @@ class MooncakeTierConnector(VerifiedTier):
         return out
 
     def _bad(self, name: str, e: Exception) -> None:
-        self.stats.add("verify_failures")
+        self.stats.add("store_verify_failures")
         logger.warning("Mooncake tier: chunk %s failed verification (%s); recomputing", name, e)
 
     # -- writes ------------------------------------------------------------

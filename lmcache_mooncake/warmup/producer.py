@@ -13,6 +13,10 @@ from lmcache_mooncake.warmup.planning import exists
 from lmcache_mooncake.warmup.rendering import ModelInfo
 from lmcache_mooncake.warmup.summary import WarmupInput, WarmupSummary
 
+#: Chunks written (with ``tier="store"``). The producer is vLLM's offline ``LLM``,
+#: which has no /metrics: its counters come from the run folder (metrics_client.read_offline).
+STORED = "vllm:lmcm_chunks_written"
+
 if TYPE_CHECKING:
     from lmcache_mooncake.store.client import StoreClient
 
@@ -45,7 +49,7 @@ def produce(summary: WarmupSummary, pending: list[WarmupInput], client: StoreCli
     """
     from tqdm import tqdm
 
-    from lmcache_mooncake.stats import read_stats
+    from lmcache_mooncake.metrics_client import MetricsSnapshot, read_offline
     from lmcache_mooncake.testing.offline import Instance, RunSpec
 
     work, info = settings.work, settings.info
@@ -87,7 +91,8 @@ def produce(summary: WarmupSummary, pending: list[WarmupInput], client: StoreCli
                     sent.extend(batch)
                     tokens += sum(len(i.token_ids) for i in batch)
                     bar.update(len(batch))
-                    bar.set_postfix(tokens=tokens, chunks=read_stats(run_dir).get("store_puts", 0), refresh=True)
+                    bar.set_postfix(tokens=tokens, chunks=read_offline(run_dir).count(STORED, tier="store"),
+                                    refresh=True)
                 t_end = time.monotonic()
             except RuntimeError as e:
                 summary.error = f"the vLLM producer failed: {str(e).splitlines()[0]} (see {inst.log_path})"
@@ -95,13 +100,13 @@ def produce(summary: WarmupSummary, pending: list[WarmupInput], client: StoreCli
                 inst.stop()
             except RuntimeError as e:
                 summary.error = summary.error or f"the vLLM producer did not exit cleanly: {str(e).splitlines()[0]}"
-        stats = read_stats(run_dir) if run_dir.exists() else {}
-        bar.set_postfix(tokens=tokens, chunks=stats.get("store_puts", 0), refresh=True)
+        stats = read_offline(run_dir) if run_dir.exists() else MetricsSnapshot()
+        bar.set_postfix(tokens=tokens, chunks=stats.count(STORED, tier="store"), refresh=True)
     finally:
         bar.close()
-    summary.chunks_written = int(stats.get("store_puts", 0))
-    summary.bytes_written = int(stats.get("store_bytes_written", 0))
-    summary.store_put_failures = int(stats.get("store_put_failures", 0))
+    summary.chunks_written = stats.count(STORED, tier="store")
+    summary.bytes_written = stats.count("vllm:lmcm_written_bytes", tier="store")
+    summary.store_put_failures = stats.count("vllm:lmcm_write_errors", tier="store")
 
     verify_s = verify(summary, pending, sent, client, settings.verify_timeout_s)
     summary.prompt_tokens = tokens

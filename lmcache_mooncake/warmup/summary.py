@@ -89,7 +89,7 @@ class WarmupSummary:
     #: Distinct chunks missing before the run (what a run writes; a dry run's estimate).
     chunks_to_write: int = 0
     bytes_estimate: int = 0
-    #: What the producer wrote to the store (its ``store_puts`` / ``store_bytes_written`` counters).
+    #: What the producer wrote to the store (``vllm:lmcm_chunks_written`` / ``vllm:lmcm_written_bytes``, tier store).
     chunks_written: int = 0
     bytes_written: int = 0
     store_put_failures: int = 0
