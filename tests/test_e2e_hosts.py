@@ -17,8 +17,8 @@ import pytest
 import yaml
 from servers import Server
 
-from lmcache_mooncake.procs import free_port
 from lmcache_mooncake.metrics_client import parse
+from lmcache_mooncake.procs import free_port
 from lmcache_mooncake.testing import hosts as simhosts
 from lmcache_mooncake.testing.models import ModelSpec, build_model
 from lmcache_mooncake.testing.offline import vllm_env
