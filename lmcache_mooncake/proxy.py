@@ -69,6 +69,9 @@ T = TypeVar("T")
 
 # Errors raised before any byte of the request reached the instance: safe to retry elsewhere.
 _RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+# The instance closed the connection before its answer was whole (it died while computing): nothing
+# went to the client yet, so the request is tried on the next instance too.
+_DIED = (httpx.RemoteProtocolError, httpx.ReadError)
 # Request headers passed on to the instances.
 _FORWARD_HEADERS = ("authorization",)
 _SSE_EVENT_ENDS = (b"\n\n", b"\r\r", b"\r\n\r\n")
@@ -309,7 +312,7 @@ class _Router:
             lease = _Lease(pool, inst)
             try:
                 return lease, await client.send(req, stream=stream)
-            except _RETRYABLE as e:
+            except (*_RETRYABLE, *_DIED) as e:
                 lease.release()
                 last = _exception_error(pool.role, inst.url, e)
                 pool.mark_down(inst, f"{type(e).__name__}")
@@ -392,6 +395,7 @@ class _Router:
             self.counters["direct_decode"] += 1
             route += f" direct (prompt {len(pk.tokens)} tokens, {covered or 0} in the store)" if pk else " direct"
             t_prefill = 0.0
+            p_url = "skipped"
         else:
             self.counters["via_prefill"] += 1
             try:
@@ -419,7 +423,8 @@ class _Router:
                         time.perf_counter() - t0 - t_prefill, time.perf_counter() - t0, d_resp.status_code)
             return Response(d_resp.content, status_code=d_resp.status_code,
                             media_type=d_resp.headers.get("content-type", "application/json"),
-                            headers={"X-Request-Id": request_id, "X-Decode-Instance": d_url})
+                            headers={"X-Request-Id": request_id, "X-Decode-Instance": d_url,
+                                     "X-Prefill-Instance": p_url})
 
         try:
             lease, d_resp = await _race_disconnect(request, self._send(self.decode, order, "POST", path,
@@ -451,7 +456,8 @@ class _Router:
         # background: closes the upstream even if the client left before the relay started.
         return StreamingResponse(self._relay(d_resp, d_url, route, t0, lease), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                                          "X-Request-Id": request_id, "X-Decode-Instance": d_url},
+                                          "X-Request-Id": request_id, "X-Decode-Instance": d_url,
+                                          "X-Prefill-Instance": p_url},
                                  background=BackgroundTask(finish))
 
     async def _prefill(self, request: Request, path: str, body: dict[str, Any], headers: dict[str, str],
