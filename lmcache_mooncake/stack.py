@@ -37,6 +37,7 @@ from lmcache_mooncake import procs
 from lmcache_mooncake.serve import default_config_file, vllm_command
 from lmcache_mooncake.stats import read_stats
 from lmcache_mooncake.testing.prompts import demo_requests
+from lmcache_mooncake.testing.streaming import stream_completion
 
 
 @dataclass
@@ -290,32 +291,17 @@ def run_demo(base_url: str, model: str, decodes: list[Child]) -> int:
     with httpx.Client(timeout=600, trust_env=False) as client:
         for label, prompt in demo_requests(vocab):
             before = {c.name: instance_counters(c) for c in decodes}
-            t0 = time.perf_counter()
-            ttft = None
-            usage = {}
-            body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0.0, "stream": True,
-                    "stream_options": {"include_usage": True}}
-            with client.stream("POST", f"{base_url}/v1/completions", json=body) as resp:
-                resp.raise_for_status()
-                served = by_url.get(resp.headers.get("x-decode-instance", ""))
-                prefill = resp.headers.get("x-prefill-instance", "?")
-                for line in resp.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    data = json.loads(line[6:])
-                    if "error" in data:
-                        raise RuntimeError(f"demo request failed: {data['error']}")
-                    if ttft is None and data.get("choices") and data["choices"][0].get("text") is not None:
-                        ttft = time.perf_counter() - t0
-                    if data.get("usage"):
-                        usage = data["usage"]
+            res = stream_completion(client, base_url, {"model": model, "prompt": prompt, "max_tokens": 16,
+                                                       "temperature": 0.0})
+            served = by_url.get(res.headers.get("x-decode-instance", ""))
+            prefill = res.headers.get("x-prefill-instance", "?")
             time.sleep(0.6)  # counters are written at most every 0.5 s
             delta: dict[str, int] = {}
             if served is not None:
                 after = instance_counters(served)
                 delta = {k: after.get(k, 0) - before[served.name].get(k, 0) for k in after}
-            cached = int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
-            rows.append((label, len(prompt), cached, (ttft or 0) * 1000, served.name if served else "?",
+            cached = res.cached_tokens
+            rows.append((label, len(prompt), cached, (res.ttft_s or 0) * 1000, served.name if served else "?",
                          "skipped" if prefill == "skipped" else "yes", _tier(delta, cached)))
     print(f"{'request':<20} {'prompt tokens':>13} {'cached (decode)':>15} {'TTFT ms':>9}  {'decode':<9} "
           f"{'prefill':<8} served by")
