@@ -315,7 +315,10 @@ class _Router:
             except (*_RETRYABLE, *_DIED) as e:
                 lease.release()
                 last = _exception_error(pool.role, inst.url, e)
-                pool.mark_down(inst, f"{type(e).__name__}")
+                if isinstance(e, _RETRYABLE):
+                    # Refused: down until its /health answers. A connection closed under a request
+                    # may be a stale keep-alive one; the next request or health check tells.
+                    pool.mark_down(inst, f"{type(e).__name__}")
                 logger.warning("%s; trying the next %s instance", last.message, pool.role)
             except httpx.HTTPError as e:
                 lease.release()

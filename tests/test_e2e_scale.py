@@ -109,8 +109,9 @@ def test_repeated_prompt_skips_prefill_with_the_same_tokens(stack, model):
 
 def test_decode_killed_mid_run_then_restarted(stack, model):
     rng = random.Random(9)
-    prompts = [[rng.randrange(16, 2000) for _ in range(rng.randrange(300, 700))] for _ in range(8)]
+    prompts = [[rng.randrange(16, 2000) for _ in range(rng.randrange(300, 700))] for _ in range(12)]
     want = [reference(stack, model, p) for p in prompts]
+    # With 12 prompts, the chance that prefix routing puts none on decode1 is 1 in 4096.
     d1 = stack["decode1"]
     results: list[tuple[int, str, str]] = []
     errors: list[str] = []
