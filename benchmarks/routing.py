@@ -12,8 +12,8 @@ the same instances:
 
 Each proxy gets its own ``--systems`` random system prompts of
 ``--system-tokens`` tokens (so no configuration finds what another one cached)
-and ``--requests`` requests, one at a time: a system prompt (in turn) plus a
-new ``--user-tokens``-token question ("mostly cached"); then each system
+and ``--requests`` requests, one at a time: a system prompt (each once, then
+at random) plus a new ``--user-tokens``-token question ("mostly cached"); then each system
 prompt with one question is sent ``--repeats`` more times ("repeated").
 Requests are streamed ``/v1/completions`` with token ids and ``max_tokens=4``;
 TTFT is the time to the first streamed token at the client.
@@ -117,7 +117,10 @@ def run_config(name: str, proxy: Proc, model: Path, decodes: list[Proc], run_dir
     with httpx.Client(timeout=600, trust_env=False) as client:
         for i in range(args.requests):
             question = [rng.randrange(16, 2000) for _ in range(args.user_tokens)]
-            prompt = systems[i % len(systems)] + question
+            # Each system prompt once, then at random: a fixed cycle would keep step with a
+            # round-robin turn and hand round-robin the prefix affinity by accident.
+            system = systems[i] if i < len(systems) else rng.choice(systems)
+            prompt = system + question
             if i < len(systems):
                 repeat_prompts.append(prompt)
             ttft, usage, decode, prefill = stream_ttft(client, proxy.url, str(model), prompt)
