@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -52,6 +51,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from lmcache_mooncake.routing.errors import (
+    DIED,
+    RETRYABLE,
+    UpstreamError,
+    error_payload,
+    error_response,
+    exception_error,
+    sse_error,
+    status_error,
+)
 from lmcache_mooncake.routing.intake import (
     IntakeError,
     IntakeLimits,
@@ -67,47 +76,9 @@ logger = logging.getLogger("lmcache_mooncake.proxy")
 
 T = TypeVar("T")
 
-# Errors raised before any byte of the request reached the instance: safe to retry elsewhere.
-_RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
-# The instance closed the connection before its answer was whole (it died while computing): nothing
-# went to the client yet, so the request is tried on the next instance too.
-_DIED = (httpx.RemoteProtocolError, httpx.ReadError)
 # Request headers passed on to the instances.
 _FORWARD_HEADERS = ("authorization",)
 _SSE_EVENT_ENDS = (b"\n\n", b"\r\r", b"\r\n\r\n")
-
-
-class UpstreamError(Exception):
-    """A failure to turn into an OpenAI-style error response for the client."""
-
-    def __init__(self, status: int, message: str, err_type: str, body: bytes | None = None,
-                 content_type: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.err_type = err_type
-        self.body = body  # the upstream's own body, passed through for its 4xx answers
-        self.content_type = content_type
-
-    def payload(self) -> dict[str, Any]:
-        return error_payload(self.message, self.err_type, self.status)
-
-    def response(self, request_id: str) -> Response:
-        headers = {"X-Request-Id": request_id}
-        if self.body is not None:
-            return Response(self.body, status_code=self.status, headers=headers,
-                            media_type=self.content_type or "application/json")
-        return JSONResponse(self.payload(), status_code=self.status, headers=headers)
-
-
-def error_payload(message: str, err_type: str, code: int) -> dict[str, Any]:
-    """The OpenAI error body (the same shape vLLM returns)."""
-    return {"error": {"message": message, "type": err_type, "param": None, "code": code}}
-
-
-def _error_response(status: int, message: str, err_type: str, request_id: str | None = None) -> JSONResponse:
-    headers = {"X-Request-Id": request_id} if request_id else None
-    return JSONResponse(error_payload(message, err_type, status), status_code=status, headers=headers)
 
 
 def normalize_url(url: str) -> str:
@@ -127,49 +98,6 @@ def normalize_url(url: str) -> str:
     if u.endswith("/v1"):
         u = u[: -len("/v1")]
     return u
-
-
-def _upstream_message(body: bytes) -> str:
-    """The error message inside an upstream error body, or the body's start."""
-    try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return body[:300].decode("utf-8", "replace").strip() or "(empty body)"
-    if isinstance(data, dict):
-        err = data.get("error")
-        if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])
-        if isinstance(err, str):
-            return err
-        if data.get("message"):
-            return str(data["message"])
-        if data.get("detail"):
-            return str(data["detail"])
-    return json.dumps(data)[:300]
-
-
-def _status_error(role: str, url: str, status: int, body: bytes, content_type: str | None) -> UpstreamError:
-    if 400 <= status < 500:
-        # A client error (bad request, unknown model, auth): the client gets the instance's answer.
-        return UpstreamError(status, _upstream_message(body), "invalid_request_error",
-                             body=body, content_type=content_type)
-    return UpstreamError(502, f"{role} instance {url} answered HTTP {status}: {_upstream_message(body)}",
-                         "upstream_error")
-
-
-def _exception_error(role: str, url: str, exc: Exception) -> UpstreamError:
-    what = type(exc).__name__
-    detail = str(exc) or what
-    if isinstance(exc, _RETRYABLE):
-        return UpstreamError(503, f"{role} instance {url} is unreachable ({what}: {detail})",
-                             "service_unavailable")
-    if isinstance(exc, httpx.TimeoutException):
-        return UpstreamError(504, f"{role} instance {url} timed out ({what})", "timeout")
-    return UpstreamError(502, f"{role} instance {url} failed ({what}: {detail})", "upstream_error")
-
-
-def _sse_error(err: UpstreamError) -> bytes:
-    return b"data: " + json.dumps(err.payload()).encode() + b"\n\n"
 
 
 def _event_end(buf: bytes) -> int:
@@ -312,17 +240,17 @@ class _Router:
             lease = _Lease(pool, inst)
             try:
                 return lease, await client.send(req, stream=stream)
-            except (*_RETRYABLE, *_DIED) as e:
+            except (*RETRYABLE, *DIED) as e:
                 lease.release()
-                last = _exception_error(pool.role, inst.url, e)
-                if isinstance(e, _RETRYABLE):
+                last = exception_error(pool.role, inst.url, e)
+                if isinstance(e, RETRYABLE):
                     # Refused: down until its /health answers. A connection closed under a request
                     # may be a stale keep-alive one; the next request or health check tells.
                     pool.mark_down(inst, f"{type(e).__name__}")
                 logger.warning("%s; trying the next %s instance", last.message, pool.role)
             except httpx.HTTPError as e:
                 lease.release()
-                raise _exception_error(pool.role, inst.url, e) from e
+                raise exception_error(pool.role, inst.url, e) from e
             except BaseException:
                 lease.release()
                 raise
@@ -338,7 +266,7 @@ class _Router:
         lease.release()  # not streamed: the whole answer is in
         url = lease.inst.url
         if resp.status_code >= 400:
-            raise _status_error(pool.role, url, resp.status_code, resp.content,
+            raise status_error(pool.role, url, resp.status_code, resp.content,
                                 resp.headers.get("content-type"))
         return url, resp
 
@@ -446,7 +374,7 @@ class _Router:
             finally:
                 await d_resp.aclose()
                 lease.release()
-            e = _status_error("decode", d_url, d_resp.status_code, err_body, d_resp.headers.get("content-type"))
+            e = status_error("decode", d_url, d_resp.status_code, err_body, d_resp.headers.get("content-type"))
             logger.warning("%s decode=%s failed after %.3fs: HTTP %d %s", route, d_url,
                            time.perf_counter() - t0, e.status, e.message)
             return e.response(request_id)
@@ -503,10 +431,10 @@ class _Router:
             if buf:
                 yield buf
         except httpx.HTTPError as e:
-            err = _exception_error("decode", url, e)
+            err = exception_error("decode", url, e)
             err.message = f"stream broken: {err.message}"
             outcome = f"error: {err.message}"
-            yield _sse_error(err)
+            yield sse_error(err)
         except BaseException:
             outcome = "client went away"
             raise
@@ -528,7 +456,7 @@ class _Router:
             try:
                 resp = await client.get(url + "/v1/models", headers=headers, timeout=self.health_timeout)
             except httpx.HTTPError as e:
-                problems.append(_exception_error("decode", url, e).message)
+                problems.append(exception_error("decode", url, e).message)
                 continue
             if resp.status_code == 200 or 400 <= resp.status_code < 500:
                 logger.info("/v1/models from decode=%s (%.3fs), HTTP %d", url, time.perf_counter() - t0,
@@ -537,7 +465,7 @@ class _Router:
                                 media_type=resp.headers.get("content-type", "application/json"))
             problems.append(f"decode instance {url} answered HTTP {resp.status_code}")
         logger.warning("/v1/models: no decode instance answered: %s", "; ".join(problems))
-        return _error_response(503, "no decode instance answered /v1/models: " + "; ".join(problems),
+        return error_response(503, "no decode instance answered /v1/models: " + "; ".join(problems),
                                "service_unavailable")
 
     async def _check(self, url: str) -> str:

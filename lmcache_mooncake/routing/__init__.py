@@ -2,6 +2,8 @@
 
 - :mod:`~lmcache_mooncake.routing.intake`: read and check a client's request
   (size limit, read timeout, JSON, required fields) before anything is sent on.
+- :mod:`~lmcache_mooncake.routing.errors`: OpenAI-style errors for failed
+  instances (unreachable, timed out, HTTP errors, broken streams).
 - :mod:`~lmcache_mooncake.routing.pool`: the instances of one role, their
   health (checked with back-off) and their outstanding requests.
 - :mod:`~lmcache_mooncake.routing.placement`: which instance should serve a
