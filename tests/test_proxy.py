@@ -352,6 +352,23 @@ def test_instance_down_is_left_out_then_taken_back(serve):
     assert {text_of(ask(c, False, max_tokens=4), False) for _ in range(4)} == {"D0-answer", "D1-answer"}
 
 
+def test_prefill_instance_down_is_left_out_then_taken_back(serve):
+    p0, p1, d = Fake("P0"), Fake("P1"), Fake("D")
+    p0_url, p1_url = serve(p0.app).url, serve(p1.app).url
+    proxy = proxy_for(serve, [p0_url, p1_url], [serve(d.app).url], ProxyConfig(health=FAST_HEALTH))
+    c = client(proxy)
+    p0.mode = "unhealthy"
+    wait_state(proxy, "prefill", p0_url, up=False)
+    for _ in range(4):
+        assert text_of(ask(c, False, max_tokens=4), False) == "D-answer"
+    assert (len(p0.requests), len(p1.requests)) == (0, 4)
+    p0.mode = "ok"
+    wait_state(proxy, "prefill", p0_url, up=True)
+    for _ in range(4):
+        ask(c, False, max_tokens=4)
+    assert len(p0.requests) == 2
+
+
 def test_prefill_500_gives_502(serve):
     p, d = Fake("P", mode="error500"), Fake("D")
     proxy = proxy_for(serve, [serve(p.app).url], [serve(d.app).url])
