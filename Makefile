@@ -25,6 +25,7 @@ bench: setup
 	.venv/bin/python benchmarks/ttft.py --profile
 	.venv/bin/python benchmarks/store_throughput.py
 	.venv/bin/python benchmarks/warmup_throughput.py
+	.venv/bin/python benchmarks/routing.py
 
 lint: setup
 	.venv/bin/ruff check lmcache_mooncake tests benchmarks

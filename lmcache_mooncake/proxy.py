@@ -1,20 +1,31 @@
 """OpenAI-compatible router for prefill/decode disaggregation.
 
-Every ``/v1/completions`` and ``/v1/chat/completions`` request goes first to a
-prefill instance (round-robin) as a one-token, non-streaming request, so that
-instance computes the prompt's KV cache and stores its chunks (LMCache tiers /
-Mooncake Store). The original request then goes to a decode instance
-(round-robin), which finds the prompt's chunks and only generates; its answer
-(JSON or an SSE stream, passed through as it arrives) goes back to the client.
-If the prefill answer carries a top-level ``kv_transfer_params`` object it is
-copied into the decode request.
+Every ``/v1/completions`` and ``/v1/chat/completions`` request is read and
+checked first (:mod:`lmcache_mooncake.routing.intake`: size limit, body read
+timeout, JSON, required fields; a client's own ``kv_transfer_params`` are
+removed). Then it goes to a prefill instance as a one-token, non-streaming
+request, so that instance computes the prompt's KV cache and stores its chunks
+(LMCache tiers / Mooncake Store). The original request then goes to a decode
+instance, which finds the prompt's chunks and only generates; its answer (JSON
+or an SSE stream, passed through as it arrives) goes back to the client. Only
+a ``kv_transfer_params`` object the prefill answered is copied into the decode
+request.
+
+With the model's tokenizer (a :class:`~lmcache_mooncake.routing.prompt_keys.PromptKeyer`)
+the proxy names the prompt's chunks as the workers do. It then routes by
+prefix (:mod:`lmcache_mooncake.routing.placement`: same first chunk, same
+instance, within a load bound) and, with a store client
+(:class:`~lmcache_mooncake.routing.prompt_keys.StoreCoverage`), sends a request
+whose prompt the store (nearly) holds straight to decode, skipping the prefill
+round trip (:attr:`ProxyConfig.direct_decode_max_uncached`).
 
 Failures never hang the client: an unreachable instance, a timeout, an upstream
 error or a stream that breaks mid-way becomes an OpenAI-style error
 (``{"error": {"message", "type", "param", "code"}}``; for a broken stream, a
 last ``data: {"error": ...}`` SSE event). A connection error before anything
-was sent is retried on the next instance of the same role; no instance is ever
-blacklisted, so one that comes back is used again at once.
+was sent is retried on the next instance of the same role and takes the
+instance out of rotation until its ``/health`` answers again
+(:mod:`lmcache_mooncake.routing.pool`: checks with back-off).
 
 Run it with ``lmcache-mooncake proxy --prefill URL... --decode URL... --port P``
 or serve :func:`build_app` with any ASGI server.
@@ -24,12 +35,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import contextlib
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
@@ -38,48 +51,34 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from lmcache_mooncake.routing.errors import (
+    DIED,
+    RETRYABLE,
+    UpstreamError,
+    error_payload,
+    error_response,
+    exception_error,
+    sse_error,
+    status_error,
+)
+from lmcache_mooncake.routing.intake import (
+    IntakeError,
+    IntakeLimits,
+    parse_request,
+    read_body,
+    strip_client_fields,
+)
+from lmcache_mooncake.routing.placement import choose, make_placement
+from lmcache_mooncake.routing.pool import HealthPolicy, Instance, InstancePool
+from lmcache_mooncake.routing.prompt_keys import PromptKeyer, PromptKeys, StoreCoverage
+
 logger = logging.getLogger("lmcache_mooncake.proxy")
 
 T = TypeVar("T")
 
-# Errors raised before any byte of the request reached the instance: safe to retry elsewhere.
-_RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 # Request headers passed on to the instances.
 _FORWARD_HEADERS = ("authorization",)
 _SSE_EVENT_ENDS = (b"\n\n", b"\r\r", b"\r\n\r\n")
-
-
-class UpstreamError(Exception):
-    """A failure to turn into an OpenAI-style error response for the client."""
-
-    def __init__(self, status: int, message: str, err_type: str, body: bytes | None = None,
-                 content_type: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.err_type = err_type
-        self.body = body  # the upstream's own body, passed through for its 4xx answers
-        self.content_type = content_type
-
-    def payload(self) -> dict[str, Any]:
-        return error_payload(self.message, self.err_type, self.status)
-
-    def response(self, request_id: str) -> Response:
-        headers = {"X-Request-Id": request_id}
-        if self.body is not None:
-            return Response(self.body, status_code=self.status, headers=headers,
-                            media_type=self.content_type or "application/json")
-        return JSONResponse(self.payload(), status_code=self.status, headers=headers)
-
-
-def error_payload(message: str, err_type: str, code: int) -> dict[str, Any]:
-    """The OpenAI error body (the same shape vLLM returns)."""
-    return {"error": {"message": message, "type": err_type, "param": None, "code": code}}
-
-
-def _error_response(status: int, message: str, err_type: str, request_id: str | None = None) -> JSONResponse:
-    headers = {"X-Request-Id": request_id} if request_id else None
-    return JSONResponse(error_payload(message, err_type, status), status_code=status, headers=headers)
 
 
 def normalize_url(url: str) -> str:
@@ -99,66 +98,6 @@ def normalize_url(url: str) -> str:
     if u.endswith("/v1"):
         u = u[: -len("/v1")]
     return u
-
-
-class _Pool:
-    """Round-robin over the instances of one role (no blacklisting)."""
-
-    def __init__(self, role: str, urls: list[str]):
-        if not urls:
-            raise ValueError(f"at least one {role} URL is needed")
-        self.role = role
-        self.urls = [normalize_url(u) for u in urls]
-        self._next = 0
-
-    def order(self) -> list[str]:
-        """All instances, starting at the next one in turn; advances the turn by one."""
-        i = self._next
-        self._next = (i + 1) % len(self.urls)
-        return self.urls[i:] + self.urls[:i]
-
-
-def _upstream_message(body: bytes) -> str:
-    """The error message inside an upstream error body, or the body's start."""
-    try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return body[:300].decode("utf-8", "replace").strip() or "(empty body)"
-    if isinstance(data, dict):
-        err = data.get("error")
-        if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])
-        if isinstance(err, str):
-            return err
-        if data.get("message"):
-            return str(data["message"])
-        if data.get("detail"):
-            return str(data["detail"])
-    return json.dumps(data)[:300]
-
-
-def _status_error(role: str, url: str, status: int, body: bytes, content_type: str | None) -> UpstreamError:
-    if 400 <= status < 500:
-        # A client error (bad request, unknown model, auth): the client gets the instance's answer.
-        return UpstreamError(status, _upstream_message(body), "invalid_request_error",
-                             body=body, content_type=content_type)
-    return UpstreamError(502, f"{role} instance {url} answered HTTP {status}: {_upstream_message(body)}",
-                         "upstream_error")
-
-
-def _exception_error(role: str, url: str, exc: Exception) -> UpstreamError:
-    what = type(exc).__name__
-    detail = str(exc) or what
-    if isinstance(exc, _RETRYABLE):
-        return UpstreamError(503, f"{role} instance {url} is unreachable ({what}: {detail})",
-                             "service_unavailable")
-    if isinstance(exc, httpx.TimeoutException):
-        return UpstreamError(504, f"{role} instance {url} timed out ({what})", "timeout")
-    return UpstreamError(502, f"{role} instance {url} failed ({what}: {detail})", "upstream_error")
-
-
-def _sse_error(err: UpstreamError) -> bytes:
-    return b"data: " + json.dumps(err.payload()).encode() + b"\n\n"
 
 
 def _event_end(buf: bytes) -> int:
@@ -194,14 +133,69 @@ async def _race_disconnect(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
+@dataclass(frozen=True)
+class ProxyConfig:
+    """How the proxy talks to clients and instances and routes between them."""
+
+    #: Seconds each read from an instance may take (for a non-streaming request, the whole
+    #: generation; for a stream, the gap between chunks); past it the client gets 504.
+    timeout_s: float = 600.0
+    #: Seconds to open a connection to an instance, after which the next one is tried.
+    connect_timeout_s: float = 5.0
+    #: What a client may send (body size, body read time).
+    limits: IntakeLimits = field(default_factory=IntakeLimits)
+    #: How instances are watched (health checks with back-off).
+    health: HealthPolicy = field(default_factory=HealthPolicy)
+    #: "prefix" (rendezvous hashing of the first chunk key; round-robin for requests the proxy
+    #: cannot tokenize, and for all requests when it has no model) or "round-robin".
+    routing: str = "prefix"
+    #: Requests in flight on the preferred instance past which a request goes to the least loaded one.
+    max_outstanding: int = 8
+    #: Send a request straight to decode (no prefill) when at most this many of its prompt
+    #: tokens are missing from the store; None never does. Needs the model (tokens).
+    direct_decode_max_uncached: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise ValueError("timeout_s and connect_timeout_s must be positive")
+        if self.max_outstanding < 1:
+            raise ValueError(f"max_outstanding={self.max_outstanding} must be at least 1")
+        if self.direct_decode_max_uncached is not None and self.direct_decode_max_uncached < 0:
+            raise ValueError(f"direct_decode_max_uncached={self.direct_decode_max_uncached} must be >= 0")
+        make_placement(self.routing)  # raises for an unknown name
+
+
+class _Lease:
+    """One request outstanding on one instance; :meth:`release` is idempotent."""
+
+    def __init__(self, pool: InstancePool, inst: Instance):
+        self.pool, self.inst, self._open = pool, inst, True
+        pool.begin(inst)
+
+    def release(self) -> None:
+        if self._open:
+            self._open = False
+            self.pool.end(self.inst)
+
+
 class _Router:
-    def __init__(self, prefill_urls: list[str], decode_urls: list[str], timeout_s: float,
-                 connect_timeout_s: float):
-        self.prefill = _Pool("prefill", prefill_urls)
-        self.decode = _Pool("decode", decode_urls)
-        self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
-        self.health_timeout = httpx.Timeout(max(connect_timeout_s, 2.0), connect=connect_timeout_s)
+    def __init__(self, prefill_urls: list[str], decode_urls: list[str], config: ProxyConfig,
+                 keyer: PromptKeyer | None = None, coverage: StoreCoverage | None = None):
+        self.config = config
+        self.prefill = InstancePool("prefill", [normalize_url(u) for u in prefill_urls], config.health)
+        self.decode = InstancePool("decode", [normalize_url(u) for u in decode_urls], config.health)
+        # One placement per role: a round-robin turn is per role.
+        self.placements = {pool.role: make_placement(config.routing) for pool in (self.prefill, self.decode)}
+        self.keyer = keyer
+        self.coverage = coverage
+        self.timeout = httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s)
+        self.health_timeout = httpx.Timeout(max(config.connect_timeout_s, 2.0), connect=config.connect_timeout_s)
         self.client: httpx.AsyncClient | None = None
+        # One thread each: the tokenizer is not thread-safe; a store call may take its timeout.
+        self._keys_thread = ThreadPoolExecutor(1, thread_name_prefix="lmcm-proxy-keys")
+        self._store_thread = ThreadPoolExecutor(1, thread_name_prefix="lmcm-proxy-store")
+        self.counters = {"requests": 0, "direct_decode": 0, "via_prefill": 0, "tokenized": 0,
+                         "client_kv_transfer_params_removed": 0}
 
     # -- plumbing -----------------------------------------------------------------------------
 
@@ -210,38 +204,94 @@ class _Router:
             raise RuntimeError("the proxy's HTTP client is not running (app lifespan not started)")
         return self.client
 
-    async def _send(self, pool: _Pool, method: str, path: str, *, headers: dict[str, str],
-                    body: dict[str, Any] | None = None, stream: bool = False,
-                    timeout: httpx.Timeout | None = None) -> tuple[str, httpx.Response]:
-        """Send to the next instance of ``pool``; on a connection error try the following ones.
+    async def watch_health(self) -> None:
+        """Check instances as their checks fall due, until cancelled."""
+        client = self._client()
+        while True:
+            for pool in (self.prefill, self.decode):
+                try:
+                    changed = await pool.check_due(client)
+                except Exception:  # noqa: BLE001 - a bug here must not stop the watching
+                    logger.exception("health check of the %s instances failed", pool.role)
+                    continue
+                for inst, up in changed:
+                    if up:
+                        logger.info("%s instance %s is healthy again; routing to it", pool.role, inst.url)
+                    else:
+                        logger.warning("%s instance %s is down (%s); next check in %.1fs", pool.role,
+                                       inst.url, inst.last_error, inst.backoff_s)
+            await asyncio.sleep(0.2)
 
-        Returns (instance URL, response) for any HTTP status; raises UpstreamError otherwise.
+    def _order(self, pool: InstancePool, digests: list[bytes]) -> list[Instance]:
+        return choose(self.placements[pool.role].rank(digests, pool.instances), self.config.max_outstanding)
+
+    async def _send(self, pool: InstancePool, order: list[Instance], method: str, path: str, *,
+                    headers: dict[str, str], body: dict[str, Any] | None = None,
+                    stream: bool = False) -> tuple[_Lease, httpx.Response]:
+        """Send to the first of ``order``; on a connection error mark it down and try the next.
+
+        Returns (a lease on the instance, its response) for any HTTP status; the caller releases
+        the lease when the answer is over. Raises UpstreamError otherwise.
         """
         client = self._client()
         last: UpstreamError | None = None
-        for url in pool.order():
-            req = client.build_request(method, url + path, json=body, headers=headers,
-                                       timeout=timeout or self.timeout)
+        for inst in order:
+            req = client.build_request(method, inst.url + path, json=body, headers=headers, timeout=self.timeout)
+            lease = _Lease(pool, inst)
             try:
-                return url, await client.send(req, stream=stream)
-            except _RETRYABLE as e:
-                last = _exception_error(pool.role, url, e)
+                return lease, await client.send(req, stream=stream)
+            except (*RETRYABLE, *DIED) as e:
+                lease.release()
+                last = exception_error(pool.role, inst.url, e)
+                if isinstance(e, RETRYABLE):
+                    # Refused: down until its /health answers. A connection closed under a request
+                    # may be a stale keep-alive one; the next request or health check tells.
+                    pool.mark_down(inst, f"{type(e).__name__}")
                 logger.warning("%s; trying the next %s instance", last.message, pool.role)
             except httpx.HTTPError as e:
-                raise _exception_error(pool.role, url, e) from e
+                lease.release()
+                raise exception_error(pool.role, inst.url, e) from e
+            except BaseException:
+                lease.release()
+                raise
         if last is None:  # the pool has no instances: build_app refuses that, so this is a bug
             raise UpstreamError(503, f"no {pool.role} instance is configured", "service_unavailable")
-        if len(pool.urls) > 1:
+        if len(order) > 1:
             last.message = f"no {pool.role} instance is reachable (last: {last.message})"
         raise last
 
-    async def _post_json(self, pool: _Pool, path: str, body: dict[str, Any],
+    async def _post_json(self, pool: InstancePool, order: list[Instance], path: str, body: dict[str, Any],
                          headers: dict[str, str]) -> tuple[str, httpx.Response]:
-        url, resp = await self._send(pool, "POST", path, headers=headers, body=body)
+        lease, resp = await self._send(pool, order, "POST", path, headers=headers, body=body)
+        lease.release()  # not streamed: the whole answer is in
+        url = lease.inst.url
         if resp.status_code >= 400:
-            raise _status_error(pool.role, url, resp.status_code, resp.content,
+            raise status_error(pool.role, url, resp.status_code, resp.content,
                                 resp.headers.get("content-type"))
         return url, resp
+
+    async def _prompt(self, path: str, body: dict[str, Any]) -> tuple[PromptKeys | None, int | None]:
+        """The request's chunk keys (None if the proxy cannot tokenize it) and how many of its
+        leading tokens the store holds (None when not asked)."""
+        if self.keyer is None:
+            return None, None
+        loop = asyncio.get_running_loop()
+        pk = await loop.run_in_executor(self._keys_thread, self.keyer.keys_for, path, body)
+        if pk is None:
+            return None, None
+        self.counters["tokenized"] += 1
+        if self.coverage is None or self.config.direct_decode_max_uncached is None:
+            return pk, None
+        if len(pk.tokens) <= self.config.direct_decode_max_uncached:
+            return pk, 0  # short enough whatever the store holds
+        covered = await loop.run_in_executor(self._store_thread, self.coverage.covered_tokens, pk.keys)
+        return pk, covered
+
+    def _goes_direct(self, pk: PromptKeys | None, covered: int | None) -> bool:
+        limit = self.config.direct_decode_max_uncached
+        if pk is None or limit is None:
+            return False
+        return len(pk.tokens) - (covered or 0) <= limit
 
     # -- endpoints ----------------------------------------------------------------------------
 
@@ -249,52 +299,52 @@ class _Router:
         t0 = time.perf_counter()
         request_id = request.headers.get("x-request-id") or f"pd-{uuid.uuid4().hex}"
         try:
-            body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as e:
-            return _error_response(400, f"request body is not valid JSON: {e}", "invalid_request_error",
-                                   request_id)
-        if not isinstance(body, dict):
-            return _error_response(400, "request body must be a JSON object", "invalid_request_error",
-                                   request_id)
+            body = parse_request(await read_body(request, self.config.limits), path)
+        except IntakeError as e:
+            logger.warning("req %s %s refused: HTTP %d %s", request_id, path, e.status, e.message)
+            return JSONResponse({"error": {"message": e.message, "type": e.err_type, "param": e.param,
+                                           "code": e.status}},
+                                status_code=e.status, headers={"X-Request-Id": request_id})
+        body, removed = strip_client_fields(body)
+        if removed:
+            self.counters["client_kv_transfer_params_removed"] += 1
+            logger.info("req %s: removed client-supplied %s", request_id, ", ".join(removed))
+        self.counters["requests"] += 1
         headers = {"X-Request-Id": request_id}
         for h in _FORWARD_HEADERS:
             if h in request.headers:
                 headers[h] = request.headers[h]
         stream = body.get("stream") is True
         route = f"req {request_id} {path} stream={stream}"
-
-        # 1. Prefill: one token, no stream.
-        prefill_body = dict(body)
-        prefill_body["max_tokens"] = 1
-        if path.endswith("/chat/completions") and "max_completion_tokens" in body:
-            prefill_body["max_completion_tokens"] = 1
-        prefill_body["stream"] = False
-        prefill_body.pop("stream_options", None)
-        prefill_body.pop("min_tokens", None)  # would exceed max_tokens=1 and be rejected
         try:
-            p_url, p_resp = await _race_disconnect(request, self._post_json(self.prefill, path, prefill_body,
-                                                                            headers))
-            try:
-                p_data = p_resp.json()
-            except ValueError as e:
-                raise UpstreamError(502, f"prefill instance {p_url} answered non-JSON: {e}",
-                                    "upstream_error") from e
+            pk, covered = await _race_disconnect(request, self._prompt(path, body))
         except UpstreamError as e:
-            logger.warning("%s: prefill failed after %.3fs: HTTP %d %s", route, time.perf_counter() - t0,
-                           e.status, e.message)
             return e.response(request_id)
-        t_prefill = time.perf_counter() - t0
-
+        digests = pk.digests if pk is not None else []
         decode_body = dict(body)
-        kv_params = p_data.get("kv_transfer_params") if isinstance(p_data, dict) else None
-        if isinstance(kv_params, dict):
-            decode_body["kv_transfer_params"] = kv_params
-        route += f" prefill={p_url} ({t_prefill:.3f}s, kv_transfer_params={'yes' if kv_params else 'no'})"
+        if self._goes_direct(pk, covered):
+            self.counters["direct_decode"] += 1
+            route += f" direct (prompt {len(pk.tokens)} tokens, {covered or 0} in the store)" if pk else " direct"
+            t_prefill = 0.0
+            p_url = "skipped"
+        else:
+            self.counters["via_prefill"] += 1
+            try:
+                p_url, kv_params = await self._prefill(request, path, body, headers, digests)
+            except UpstreamError as e:
+                logger.warning("%s: prefill failed after %.3fs: HTTP %d %s", route, time.perf_counter() - t0,
+                               e.status, e.message)
+                return e.response(request_id)
+            t_prefill = time.perf_counter() - t0
+            if kv_params is not None:
+                decode_body["kv_transfer_params"] = kv_params
+            route += f" prefill={p_url} ({t_prefill:.3f}s, kv_transfer_params={'yes' if kv_params else 'no'})"
 
         # 2. Decode: the original request.
+        order = self._order(self.decode, digests)
         if not stream:
             try:
-                d_url, d_resp = await _race_disconnect(request, self._post_json(self.decode, path,
+                d_url, d_resp = await _race_disconnect(request, self._post_json(self.decode, order, path,
                                                                                 decode_body, headers))
             except UpstreamError as e:
                 logger.warning("%s: decode failed after %.3fs: HTTP %d %s", route,
@@ -304,16 +354,18 @@ class _Router:
                         time.perf_counter() - t0 - t_prefill, time.perf_counter() - t0, d_resp.status_code)
             return Response(d_resp.content, status_code=d_resp.status_code,
                             media_type=d_resp.headers.get("content-type", "application/json"),
-                            headers={"X-Request-Id": request_id})
+                            headers={"X-Request-Id": request_id, "X-Decode-Instance": d_url,
+                                     "X-Prefill-Instance": p_url})
 
         try:
-            d_url, d_resp = await _race_disconnect(request, self._send(self.decode, "POST", path,
+            lease, d_resp = await _race_disconnect(request, self._send(self.decode, order, "POST", path,
                                                                        headers=headers, body=decode_body,
                                                                        stream=True))
         except UpstreamError as e:
             logger.warning("%s: decode failed after %.3fs: HTTP %d %s", route, time.perf_counter() - t0,
                            e.status, e.message)
             return e.response(request_id)
+        d_url = lease.inst.url
         if d_resp.status_code >= 400:
             try:
                 err_body = await d_resp.aread()
@@ -321,18 +373,47 @@ class _Router:
                 err_body = b""
             finally:
                 await d_resp.aclose()
-            e = _status_error("decode", d_url, d_resp.status_code, err_body, d_resp.headers.get("content-type"))
+                lease.release()
+            e = status_error("decode", d_url, d_resp.status_code, err_body, d_resp.headers.get("content-type"))
             logger.warning("%s decode=%s failed after %.3fs: HTTP %d %s", route, d_url,
                            time.perf_counter() - t0, e.status, e.message)
             return e.response(request_id)
         route += f" decode={d_url}"
-        # background: closes the upstream even if the client left before the relay started.
-        return StreamingResponse(self._relay(d_resp, d_url, route, t0), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                                          "X-Request-Id": request_id},
-                                 background=BackgroundTask(d_resp.aclose))
 
-    async def _relay(self, resp: httpx.Response, url: str, route: str, t0: float) -> AsyncIterator[bytes]:
+        async def finish() -> None:
+            await d_resp.aclose()
+            lease.release()
+
+        # background: closes the upstream even if the client left before the relay started.
+        return StreamingResponse(self._relay(d_resp, d_url, route, t0, lease), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                          "X-Request-Id": request_id, "X-Decode-Instance": d_url,
+                                          "X-Prefill-Instance": p_url},
+                                 background=BackgroundTask(finish))
+
+    async def _prefill(self, request: Request, path: str, body: dict[str, Any], headers: dict[str, str],
+                       digests: list[bytes]) -> tuple[str, dict[str, Any] | None]:
+        """Run the prompt on a prefill instance (one token, no stream); returns its URL and the
+        ``kv_transfer_params`` it answered (None if it gave none)."""
+        prefill_body = dict(body)
+        prefill_body["max_tokens"] = 1
+        if path.endswith("/chat/completions") and "max_completion_tokens" in body:
+            prefill_body["max_completion_tokens"] = 1
+        prefill_body["stream"] = False
+        prefill_body.pop("stream_options", None)
+        prefill_body.pop("min_tokens", None)  # would exceed max_tokens=1 and be rejected
+        order = self._order(self.prefill, digests)
+        p_url, p_resp = await _race_disconnect(request, self._post_json(self.prefill, order, path,
+                                                                        prefill_body, headers))
+        try:
+            p_data = p_resp.json()
+        except ValueError as e:
+            raise UpstreamError(502, f"prefill instance {p_url} answered non-JSON: {e}", "upstream_error") from e
+        kv_params = p_data.get("kv_transfer_params") if isinstance(p_data, dict) else None
+        return p_url, kv_params if isinstance(kv_params, dict) else None
+
+    async def _relay(self, resp: httpx.Response, url: str, route: str, t0: float,
+                     lease: _Lease) -> AsyncIterator[bytes]:
         """Pass the decode SSE stream through, whole events as they arrive; end with an error event
         if the upstream breaks (a partial event at the break is dropped)."""
         buf = b""
@@ -350,16 +431,17 @@ class _Router:
             if buf:
                 yield buf
         except httpx.HTTPError as e:
-            err = _exception_error("decode", url, e)
+            err = exception_error("decode", url, e)
             err.message = f"stream broken: {err.message}"
             outcome = f"error: {err.message}"
-            yield _sse_error(err)
+            yield sse_error(err)
         except BaseException:
             outcome = "client went away"
             raise
         finally:
             with anyio.CancelScope(shield=True):
                 await resp.aclose()
+            lease.release()
             level = logging.INFO if outcome == "ok" else logging.WARNING
             logger.log(level, "%s first byte %s, total %.3fs, stream %s", route,
                        f"{first:.3f}s" if first is not None else "-", time.perf_counter() - t0, outcome)
@@ -369,11 +451,12 @@ class _Router:
         headers = {h: request.headers[h] for h in _FORWARD_HEADERS if h in request.headers}
         client = self._client()
         problems = []
-        for url in self.decode.urls:
+        for url in [i.url for i in self.decode.instances if i.up] + [i.url for i in self.decode.instances
+                                                                        if not i.up]:
             try:
                 resp = await client.get(url + "/v1/models", headers=headers, timeout=self.health_timeout)
             except httpx.HTTPError as e:
-                problems.append(_exception_error("decode", url, e).message)
+                problems.append(exception_error("decode", url, e).message)
                 continue
             if resp.status_code == 200 or 400 <= resp.status_code < 500:
                 logger.info("/v1/models from decode=%s (%.3fs), HTTP %d", url, time.perf_counter() - t0,
@@ -382,7 +465,7 @@ class _Router:
                                 media_type=resp.headers.get("content-type", "application/json"))
             problems.append(f"decode instance {url} answered HTTP {resp.status_code}")
         logger.warning("/v1/models: no decode instance answered: %s", "; ".join(problems))
-        return _error_response(503, "no decode instance answered /v1/models: " + "; ".join(problems),
+        return error_response(503, "no decode instance answered /v1/models: " + "; ".join(problems),
                                "service_unavailable")
 
     async def _check(self, url: str) -> str:
@@ -409,15 +492,26 @@ class _Router:
         return JSONResponse(body, status_code=503)
 
 
-def build_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float = 600,
-              connect_timeout_s: float = 5) -> FastAPI:
+    def stats(self) -> dict[str, Any]:
+        """What the proxy did: request counters and each instance's state and load."""
+        return {"routing": self.config.routing, **self.counters,
+                **{pool.role: {i.url: i.describe() for i in pool.instances} for pool in (self.prefill, self.decode)}}
+
+    def close(self) -> None:
+        self._keys_thread.shutdown(wait=False, cancel_futures=True)
+        self._store_thread.shutdown(wait=False, cancel_futures=True)
+
+
+def build_app(prefill_urls: list[str], decode_urls: list[str], config: ProxyConfig | None = None, *,
+              keyer: PromptKeyer | None = None, coverage: StoreCoverage | None = None) -> FastAPI:
     """The proxy as a FastAPI app.
 
-    ``timeout_s`` bounds each read from an instance (for a non-streaming request, the whole
-    generation; for a stream, the gap between chunks); ``connect_timeout_s`` bounds opening a
-    connection (after which the next instance of the same role is tried).
+    ``keyer`` (the model's tokenizer and chunk naming) enables prefix routing and direct
+    decode; ``coverage`` (a store client) lets direct decode count what the store holds.
+    Both are closed by the app's shutdown. Raises ``ValueError`` for a bad URL or an empty role.
     """
-    router = _Router(prefill_urls, decode_urls, timeout_s, connect_timeout_s)
+    config = config or ProxyConfig()
+    router = _Router(prefill_urls, decode_urls, config, keyer, coverage)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -426,13 +520,24 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float 
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
             trust_env=False,  # talk to the instances directly, never through an HTTP(S)_PROXY
         )
-        logger.info("proxy up: prefill %s, decode %s", ", ".join(router.prefill.urls),
-                    ", ".join(router.decode.urls))
+        watcher = asyncio.ensure_future(router.watch_health())
+        logger.info("proxy up: prefill %s, decode %s, routing %s%s, direct decode %s",
+                    ", ".join(router.prefill.urls), ", ".join(router.decode.urls), config.routing,
+                    "" if keyer else " (no --model: without chunk keys, round-robin)",
+                    "off" if config.direct_decode_max_uncached is None or keyer is None
+                    else f"at most {config.direct_decode_max_uncached} uncached tokens")
         try:
             yield
         finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
             client, router.client = router.client, None
             await client.aclose()
+            router.close()
+            for part in (keyer, coverage):
+                if part is not None:
+                    part.close()
 
     app = FastAPI(title="lmcache-mooncake prefill/decode proxy", lifespan=lifespan)
     app.state.router = router
@@ -453,6 +558,10 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float 
     async def health() -> Response:
         return await router.health()
 
+    @app.get("/stats")
+    async def stats() -> Response:
+        return JSONResponse(router.stats())
+
     return app
 
 
@@ -460,22 +569,34 @@ _PROXY_DESCRIPTION = """\
 OpenAI-compatible router for prefill/decode disaggregation.
 
 Each /v1/completions or /v1/chat/completions request goes first to a prefill
-instance (round-robin) with max_tokens=1 and stream=false, which computes the
-prompt's KV cache and stores its chunks; then the original request goes to a
-decode instance (round-robin), which loads those chunks and generates. Streams
-are passed through as they arrive. A kv_transfer_params object in the prefill
-answer is copied into the decode request. GET /v1/models answers from the first
-decode instance that responds; GET /health is 200 when at least one prefill and
-one decode instance answer their /health, else 503 listing those that are down.
+instance with max_tokens=1 and stream=false, which computes the prompt's KV
+cache and stores its chunks; then the original request goes to a decode
+instance, which loads those chunks and generates. Streams are passed through as
+they arrive. Only the kv_transfer_params the prefill answered go to decode; a
+client's own are removed.
 
-An unreachable instance is skipped for that request (the next one of the same
-role is tried) and used again as soon as it answers.
+Routing (--routing prefix, the default, needs --model): requests whose prompts
+share their first chunk go to the same instance of each role (rendezvous
+hashing of the chunk key the connector names it by), unless it has
+--max-outstanding requests in flight (then: the least loaded instance).
+Without --model, or with --routing round-robin: round-robin.
+
+Direct decode (needs --model and --config with a mooncake: section): a request
+whose prompt has at most --direct-decode-max-uncached tokens that the store
+does not hold skips the prefill round trip.
+
+Instances are health-checked; one that fails is left out (re-checked with
+back-off) and taken back when its /health answers again. GET /health is 200
+when at least one prefill and one decode instance answer; GET /stats shows the
+counters and each instance's state and load. Requests over --max-body-bytes
+get 413, a body that takes over --body-timeout seconds 408, invalid JSON or a
+missing field 400.
 """
 
 _PROXY_EPILOG = """\
 example:
   lmcache-mooncake proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 \\
-      http://127.0.0.1:8201 --port 8000
+      http://127.0.0.1:8201 --port 8000 --model /models/qwen --config configs/decode.yaml
   then point any OpenAI client at http://127.0.0.1:8000/v1
 """
 
@@ -496,6 +617,28 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
                         "(default 600)")
     p.add_argument("--connect-timeout", type=float, default=5.0, metavar="SECONDS",
                    help="longest wait to connect to an instance before trying the next one (default 5)")
+    p.add_argument("--max-body-bytes", type=int, default=IntakeLimits.max_body_bytes, metavar="BYTES",
+                   help=f"largest request body accepted, else 413 (default {IntakeLimits.max_body_bytes})")
+    p.add_argument("--body-timeout", type=float, default=IntakeLimits.read_timeout_s, metavar="SECONDS",
+                   help=f"longest time a request body may take to arrive, else 408 "
+                        f"(default {IntakeLimits.read_timeout_s:g})")
+    p.add_argument("--routing", choices=["prefix", "round-robin"], default="prefix",
+                   help="prefix: same first chunk, same instance (needs --model); round-robin (default prefix)")
+    p.add_argument("--max-outstanding", type=int, default=ProxyConfig.max_outstanding, metavar="N",
+                   help="requests in flight on the preferred instance past which a request goes to the "
+                        f"least loaded one (default {ProxyConfig.max_outstanding})")
+    p.add_argument("--model", default=None, metavar="DIR",
+                   help="the model the instances serve (its tokenizer names the chunks: prefix routing, "
+                        "direct decode)")
+    p.add_argument("--dtype", default="auto", help="the instances' vLLM --dtype (it enters chunk names)")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="the instances' cache configuration (chunk size, model id, store)")
+    p.add_argument("--store-dir", default=None, metavar="DIR",
+                   help="state folder of the store from 'lmcache-mooncake store up' (overrides the config's)")
+    p.add_argument("--direct-decode-max-uncached", type=int, default=256, metavar="TOKENS",
+                   help="skip prefill when at most this many prompt tokens are not in the store "
+                        "(default 256; needs --model)")
+    p.add_argument("--no-direct-decode", action="store_true", help="always go through a prefill instance")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="log level (default info)")
     p.set_defaults(run=run)
@@ -509,20 +652,50 @@ def run(args: argparse.Namespace) -> int:
     p = args.parser
     if not 0 < args.port < 65536:
         p.error(f"--port {args.port} is not a valid port")
-    if args.timeout <= 0 or args.connect_timeout <= 0:
-        p.error("--timeout and --connect-timeout must be positive")
+    direct = None if args.no_direct_decode else args.direct_decode_max_uncached
     try:
-        app = build_app(args.prefill, args.decode, timeout_s=args.timeout,
-                        connect_timeout_s=args.connect_timeout)
+        config = ProxyConfig(timeout_s=args.timeout, connect_timeout_s=args.connect_timeout,
+                             limits=IntakeLimits(args.max_body_bytes, args.body_timeout),
+                             routing=args.routing, max_outstanding=args.max_outstanding,
+                             direct_decode_max_uncached=direct)
+        for u in (*args.prefill, *args.decode):
+            normalize_url(u)
+    except ValueError as e:
+        p.error(str(e))
+    setup_logging()
+    logging.getLogger("lmcache_mooncake").setLevel(args.log_level.upper())
+    keyer = coverage = None
+    if args.model is not None:
+        keyer, coverage = _prompt_parts(args, direct is not None)
+    try:
+        app = build_app(args.prefill, args.decode, config, keyer=keyer, coverage=coverage)
     except ValueError as e:
         p.error(str(e))
 
     import uvicorn
 
-    setup_logging()
-    logging.getLogger("lmcache_mooncake").setLevel(args.log_level.upper())
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0
+
+
+def _prompt_parts(args: argparse.Namespace, direct: bool) -> tuple[PromptKeyer, StoreCoverage | None]:
+    """The tokenizer and chunk naming of ``--model``, and a store client when direct decode may use it."""
+    from lmcache_mooncake.routing.prompt_keys import PromptKeySpec
+
+    try:
+        keyer = PromptKeyer(PromptKeySpec(args.model, args.dtype, args.config, args.store_dir))
+    except Exception as e:  # noqa: BLE001 - any failure here is "cannot name this model's chunks"
+        args.parser.error(f"--model {args.model}: cannot load its tokenizer and chunk naming: {e}")
+    logger.info("chunk names: namespace %s (model %s, %s, chunk size %d)", keyer.namespace.hex()[:16],
+                keyer.namespace.model, keyer.namespace.kv_dtype, keyer.namespace.chunk_size)
+    coverage = None
+    if direct and keyer.config.mooncake is not None:
+        try:
+            coverage = StoreCoverage.connect(keyer.config, keyer.namespace)
+        except Exception as e:  # noqa: BLE001 - without the store, only short prompts go direct
+            logger.warning("direct decode cannot ask the store (%s): only prompts of at most "
+                           "--direct-decode-max-uncached tokens go straight to decode", e)
+    return keyer, coverage
 
 
 def main_proxy(argv: list[str] | None = None) -> int:

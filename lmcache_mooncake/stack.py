@@ -1,15 +1,19 @@
 """``lmcache-mooncake up``: the whole prefill/decode stack on this host, in one command.
 
 Starts, in order: the embedded Mooncake Store (unless one is already running
-in the state folder), a prefill vLLM (kv_producer), a decode vLLM
-(kv_consumer) and the proxy, all on loopback; waits until each answers; prints
-the proxy's URL. On Ctrl-C or SIGTERM it stops what it started in the reverse
-order (proxy, decode, prefill, store), each process group with SIGTERM then
-SIGKILL, so no process is left behind.
+in the state folder), ``--prefill N`` prefill vLLMs (kv_producer) and
+``--decode M`` decode vLLMs (kv_consumer), each on its own port and core set
+(:func:`core_sets`), and the proxy in front of them all (prefix routing and
+direct decode, with the model's tokenizer), all on loopback; waits until each
+answers; prints the proxy's URL. While it runs, an instance that exits is
+reported and the proxy routes around it; the stack stops when a role has no
+instance left or the proxy exits. On Ctrl-C or SIGTERM it stops what it
+started in the reverse order (proxy, decode, prefill, store), each process
+group with SIGTERM then SIGKILL, so no process is left behind.
 
 With ``--demo`` it builds a generated model if none is given, sends a few long
 prompts through the proxy (some repeated, some sharing a prefix), prints a
-table, and shuts down.
+table with the decode instance that served each one and its hits, and shuts down.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from lmcache_mooncake import procs
 from lmcache_mooncake.metrics_client import MetricsSnapshot, fetch
 from lmcache_mooncake.serve import default_config_file, vllm_command
 from lmcache_mooncake.testing.prompts import demo_requests
+from lmcache_mooncake.testing.streaming import stream_completion
 
 
 @dataclass
@@ -41,6 +46,37 @@ class Child:
     proc: subprocess.Popen
     log: Path
     url: str | None = None
+    #: "prefill", "decode", or None for the proxy.
+    role: str | None = None
+    #: The connector's run folder (its counters), for vLLM instances.
+    run_dir: Path | None = None
+
+
+#: Memory one vLLM instance of a small model needs beside its KV cache (seen: 1-2 GiB).
+INSTANCE_OVERHEAD_BYTES = 2 << 30
+
+
+def core_sets(n: int, cores: list[int]) -> list[list[int]]:
+    """The cores of each of ``n`` instances: disjoint, contiguous, as even as possible when
+    there are at least ``n`` cores; else one core each, in turn (instances then share cores)."""
+    if n <= 0:
+        raise ValueError(f"{n} instances: need at least one")
+    if not cores:
+        raise ValueError("no cores to place instances on")
+    if n > len(cores):
+        return [[cores[i % len(cores)]] for i in range(n)]
+    size, extra = divmod(len(cores), n)
+    out, start = [], 0
+    for i in range(n):
+        end = start + size + (1 if i < extra else 0)
+        out.append(cores[start:end])
+        start = end
+    return out
+
+
+def instance_counters(child: Child) -> MetricsSnapshot:
+    """The connector counters of one vLLM instance, from its /metrics: the one place ``up`` reads them."""
+    return fetch(child.url) if child.url is not None else MetricsSnapshot()
 
 
 class Stack:
@@ -52,11 +88,15 @@ class Stack:
         self.store_dir: Path | None = None
         self.started_store = False
 
-    def spawn(self, name: str, cmd: list[str], env: dict[str, str], url: str | None = None) -> Child:
+    def spawn(self, name: str, cmd: list[str], env: dict[str, str], url: str | None = None,
+              role: str | None = None, run_dir: Path | None = None) -> Child:
         log = self.work / f"{name}.log"
-        child = Child(name, procs.spawn(cmd, log, env=env), log, url)
+        child = Child(name, procs.spawn(cmd, log, env=env), log, url, role, run_dir)
         self.children.append(child)
         return child
+
+    def instances(self, role: str) -> list[Child]:
+        return [c for c in self.children if c.role == role]
 
     def wait_healthy(self, child: Child, timeout_s: float) -> None:
         if child.url is None:
@@ -82,9 +122,15 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "up",
         help=help,
-        description="Start the Mooncake store, one prefill and one decode vLLM and the proxy on this "
-        "host; print the proxy's URL; stop everything on Ctrl-C or SIGTERM.",
+        description="Start the Mooncake store, prefill and decode vLLMs (one each unless --prefill / "
+        "--decode) and the proxy on this host; print the proxy's URL; stop everything on Ctrl-C or SIGTERM.",
     )
+    p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill instances (default 1)")
+    p.add_argument("--decode", type=int, default=1, metavar="M", help="decode instances (default 1)")
+    p.add_argument("--routing", choices=["prefix", "round-robin"], default="prefix",
+                   help="the proxy's routing (default prefix)")
+    p.add_argument("--proxy-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for the proxy (repeat), e.g. --proxy-arg=--no-direct-decode")
     p.add_argument("--model", help="model folder (required unless --demo, which builds a generated one)")
     p.add_argument("--port", type=int, default=9000, help="proxy port (default 9000)")
     p.add_argument("--store-memory", default="2GiB", help="store memory if a store is started (default 2GiB)")
@@ -104,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
     """Start the stack, wait for every part, then serve (or run the demo) until stopped."""
     if args.model is None and not args.demo:
         args.parser.error("--model is required (or use --demo)")
+    _check_args(args)
 
     from lmcache_mooncake.config import parse_size
     from lmcache_mooncake.store.launcher import StoreSpec, default_state_dir, start_store, store_status
@@ -132,43 +179,42 @@ def run(args: argparse.Namespace) -> int:
             start_store(StoreSpec(memory_bytes=parse_size(args.store_memory), state_dir=stack.store_dir))
             stack.started_store = True
 
-        prefill_port = procs.free_port()
-        ports = {"prefill": prefill_port, "decode": procs.free_port(exclude={prefill_port})}
-        # On small CPU machines two vLLMs must not bind OpenMP to the same core.
-        cores = sorted(os.sched_getaffinity(0))
-        for i, role in enumerate(("prefill", "decode")):
+        roles = [("prefill", i) for i in range(args.prefill)] + [("decode", i) for i in range(args.decode)]
+        ports: list[int] = []
+        for _ in roles:
+            ports.append(procs.free_port(exclude=set(ports) | {args.port}))
+        # On small CPU machines vLLMs must not bind OpenMP to the same cores (where it can be avoided).
+        cores = core_sets(len(roles), sorted(os.sched_getaffinity(0)))
+        for (role, i), port, mine in zip(roles, ports, cores, strict=True):
+            name = f"{role}-{i}"
             env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib), HF_HUB_OFFLINE="1",
                        VLLM_NO_USAGE_STATS="1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
-            if len(cores) >= 2 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-                half = len(cores) // 2
-                mine = cores[:half] if i == 0 else cores[half:]
+            if len(os.sched_getaffinity(0)) >= 2 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, mine))
-            overrides = {"run_dir": str(work / f"{role}-run"),
-                         "mooncake": {"store_dir": str(stack.store_dir)}}
-            cmd = vllm_command(role, model, "127.0.0.1", ports[role], default_config_file(role),
+            run_dir = work / f"{name}-run"
+            overrides = {"run_dir": str(run_dir), "mooncake": {"store_dir": str(stack.store_dir)}}
+            cmd = vllm_command(role, model, "127.0.0.1", port, default_config_file(role),
                                ["--enable-prompt-tokens-details", "--enforce-eager", *args.vllm_arg], overrides)
-            stack.spawn(role, cmd, env, url=f"http://127.0.0.1:{ports[role]}")
-            print(f"up: starting {role} vLLM on port {ports[role]} (log {work / (role + '.log')})", file=sys.stderr)
+            stack.spawn(name, cmd, env, url=f"http://127.0.0.1:{port}", role=role, run_dir=run_dir)
+            print(f"up: starting {name} vLLM on port {port}, cores {','.join(map(str, mine))} "
+                  f"(log {work / (name + '.log')})", file=sys.stderr)
         for child in list(stack.children):
             stack.wait_healthy(child, args.startup_timeout)
             print(f"up: {child.name} is ready", file=sys.stderr)
         proxy_cmd = [sys.executable, "-m", "lmcache_mooncake.cli", "proxy", "--port", str(args.port),
-                     "--prefill", f"http://127.0.0.1:{ports['prefill']}",
-                     "--decode", f"http://127.0.0.1:{ports['decode']}"]
+                     "--prefill", *(c.url for c in stack.instances("prefill")),
+                     "--decode", *(c.url for c in stack.instances("decode")),
+                     "--routing", args.routing, "--model", model, "--dtype", _vllm_dtype(args.vllm_arg),
+                     "--store-dir", str(stack.store_dir), *args.proxy_arg]
+        if default_config_file("decode"):
+            proxy_cmd += ["--config", str(default_config_file("decode"))]
         proxy = stack.spawn("proxy", proxy_cmd, dict(os.environ), url=f"http://127.0.0.1:{args.port}")
-        stack.wait_healthy(proxy, 60)
+        stack.wait_healthy(proxy, 120)
         print(f"\nlmcache-mooncake stack is up: OpenAI API at http://127.0.0.1:{args.port}/v1 "
-              f"(model {model}). Ctrl-C stops it.\n", flush=True)
+              f"(model {model}; {args.prefill} prefill, {args.decode} decode). Ctrl-C stops it.\n", flush=True)
         if args.demo:
-            rc = run_demo(f"http://127.0.0.1:{args.port}", model, f"http://127.0.0.1:{ports['decode']}")
-            return rc
-        while not stop_event.wait(1.0):
-            for child in stack.children:
-                if child.proc.poll() is not None:
-                    print(f"up: {child.name} exited ({child.proc.returncode}); stopping the stack. "
-                          f"Log {child.log}:\n{procs.tail_log(child.log, 30)}", file=sys.stderr)
-                    return 1
-        return 0
+            return run_demo(f"http://127.0.0.1:{args.port}", model, stack.instances("decode"))
+        return _watch(stack, stop_event)
     except Exception as e:  # report, then always stop what was started
         print(f"up: error: {e}", file=sys.stderr)
         return 1
@@ -176,6 +222,53 @@ def run(args: argparse.Namespace) -> int:
         stack.stop()
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Refuse impossible instance counts, and more instances than this host's memory holds."""
+    import psutil
+
+    if args.prefill < 1 or args.decode < 1:
+        args.parser.error(f"--prefill {args.prefill} --decode {args.decode}: each role needs at least one instance")
+    n = args.prefill + args.decode
+    need = n * ((args.kv_cache_gib << 30) + INSTANCE_OVERHEAD_BYTES)
+    have = psutil.virtual_memory().available
+    if need > have:
+        args.parser.error(f"{n} vLLM instances need about {procs.format_bytes(need)} "
+                          f"({args.kv_cache_gib} GiB KV cache + {procs.format_bytes(INSTANCE_OVERHEAD_BYTES)} each), "
+                          f"this host has {procs.format_bytes(have)} available: start fewer (--prefill, --decode) "
+                          "or lower --kv-cache-gib")
+
+
+def _vllm_dtype(vllm_args: list[str]) -> str:
+    """The ``--dtype`` among the extra vLLM arguments (the proxy names chunks with it), else "auto"."""
+    for i, arg in enumerate(vllm_args):
+        if arg.startswith("--dtype="):
+            return arg.split("=", 1)[1]
+        if arg == "--dtype" and i + 1 < len(vllm_args):
+            return vllm_args[i + 1]
+    return "auto"
+
+
+def _watch(stack: Stack, stop_event: threading.Event) -> int:
+    """Serve until stopped; report instances that exit; give up when a role has none left
+    or the proxy exits."""
+    reported: set[str] = set()
+    while not stop_event.wait(1.0):
+        for child in stack.children:
+            if child.proc.poll() is None or child.name in reported:
+                continue
+            reported.add(child.name)
+            print(f"up: {child.name} exited ({child.proc.returncode}). Log {child.log}:\n"
+                  f"{procs.tail_log(child.log, 30)}", file=sys.stderr)
+            if child.role is None:
+                print("up: the proxy exited; stopping the stack", file=sys.stderr)
+                return 1
+            if all(c.proc.poll() is not None for c in stack.instances(child.role)):
+                print(f"up: no {child.role} instance is left; stopping the stack", file=sys.stderr)
+                return 1
+            print(f"up: the proxy routes around {child.name}", file=sys.stderr)
+    return 0
 
 
 def _tier(before: MetricsSnapshot, after: MetricsSnapshot, cached: int) -> str:
@@ -191,34 +284,33 @@ def _tier(before: MetricsSnapshot, after: MetricsSnapshot, cached: int) -> str:
     return "-"
 
 
-def run_demo(base_url: str, model: str, decode_url: str) -> int:
+def run_demo(base_url: str, model: str, decodes: list[Child]) -> int:
+    """Send the demo prompts through the proxy; print, per request, the decode instance that
+    served it, whether prefill was skipped, and where its cached tokens came from; then each
+    decode instance's totals."""
     vocab = int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
+    by_url = {c.url: c for c in decodes}
     rows = []
-    with httpx.Client(timeout=600) as client:
+    with httpx.Client(timeout=600, trust_env=False) as client:
         for label, prompt in demo_requests(vocab):
-            before = fetch(decode_url)
-            t0 = time.perf_counter()
-            ttft = None
-            usage = {}
-            body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0.0, "stream": True,
-                    "stream_options": {"include_usage": True}}
-            with client.stream("POST", f"{base_url}/v1/completions", json=body) as resp:
-                resp.raise_for_status()
-                for line in resp.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    data = json.loads(line[6:])
-                    if "error" in data:
-                        raise RuntimeError(f"demo request failed: {data['error']}")
-                    if ttft is None and data.get("choices") and data["choices"][0].get("text") is not None:
-                        ttft = time.perf_counter() - t0
-                    if data.get("usage"):
-                        usage = data["usage"]
-            time.sleep(0.5)  # the decode's last step's stats reach its /metrics just after its answer
-            after = fetch(decode_url)
-            cached = int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
-            rows.append((label, len(prompt), cached, (ttft or 0) * 1000, _tier(before, after, cached)))
-    print(f"{'request':<20} {'prompt tokens':>13} {'cached (decode)':>15} {'TTFT ms':>9}  served by")
-    for label, n, cached, ttft, tier in rows:
-        print(f"{label:<20} {n:>13} {cached:>15} {ttft:>9.1f}  {tier}")
+            before = {c.name: instance_counters(c) for c in decodes}
+            res = stream_completion(client, base_url, {"model": model, "prompt": prompt, "max_tokens": 16,
+                                                       "temperature": 0.0})
+            served = by_url.get(res.headers.get("x-decode-instance", ""))
+            prefill = res.headers.get("x-prefill-instance", "?")
+            time.sleep(0.6)  # a step's counters reach the instance's /metrics just after its answer
+            cached = res.cached_tokens
+            tier = _tier(before[served.name], instance_counters(served), cached) if served is not None else "-"
+            rows.append((label, len(prompt), cached, (res.ttft_s or 0) * 1000, served.name if served else "?",
+                         "skipped" if prefill == "skipped" else "yes", tier))
+    print(f"{'request':<20} {'prompt tokens':>13} {'cached (decode)':>15} {'TTFT ms':>9}  {'decode':<9} "
+          f"{'prefill':<8} served by")
+    for label, n, cached, ttft, decode, prefill, tier in rows:
+        print(f"{label:<20} {n:>13} {cached:>15} {ttft:>9.1f}  {decode:<9} {prefill:<8} {tier}")
+    print(f"\n{'decode instance':<16} {'requests':>8} {'loaded tokens':>13} {'store chunks':>12}")
+    for c in decodes:
+        counters = instance_counters(c)
+        print(f"{c.name:<16} {sum(1 for r in rows if r[4] == c.name):>8} "
+              f"{counters.count('vllm:lmcm_loaded_tokens'):>13} "
+              f"{counters.count('vllm:lmcm_chunk_hits', tier='store'):>12}")
     return 0

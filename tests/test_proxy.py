@@ -25,7 +25,12 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from lmcache_mooncake.proxy import build_app, main_proxy, normalize_url
+from lmcache_mooncake import keys
+from lmcache_mooncake.proxy import ProxyConfig, build_app, main_proxy, normalize_url
+from lmcache_mooncake.routing.intake import IntakeLimits
+from lmcache_mooncake.routing.placement import RendezvousPlacement
+from lmcache_mooncake.routing.pool import HealthPolicy
+from lmcache_mooncake.routing.prompt_keys import PromptKeys
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -182,8 +187,8 @@ def dead_url() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
-def proxy_for(serve, prefill: list[str], decode: list[str], **kw) -> str:
-    return serve(build_app(prefill, decode, **kw)).url
+def proxy_for(serve, prefill: list[str], decode: list[str], config: ProxyConfig | None = None, **kw) -> str:
+    return serve(build_app(prefill, decode, config, **kw)).url
 
 
 def client(proxy_url: str, timeout: float = 15) -> openai.OpenAI:
@@ -296,22 +301,72 @@ def test_unreachable_prefill_fails_fast(serve):
     assert d.requests == []
 
 
+FAST_HEALTH = HealthPolicy(interval_s=0.2, min_backoff_s=0.1, max_backoff_s=0.4, timeout_s=1.0)
+
+
+def stats_of(proxy_url: str) -> dict:
+    return httpx.get(proxy_url + "/stats", timeout=5, trust_env=False).json()
+
+
+def wait_state(proxy_url: str, role: str, url: str, up: bool, within_s: float = 5.0) -> None:
+    deadline = time.monotonic() + within_s
+    while (stats_of(proxy_url)[role][url]["state"] == "ok") != up:
+        assert time.monotonic() < deadline, stats_of(proxy_url)
+        time.sleep(0.05)
+
+
 def test_failover_and_recovery(serve):
     p, d0, d1 = Fake("P"), Fake("D0"), Fake("D1")
     d0_served = serve(d0.app)
     gone = serve(d1.app)
     port = gone.port
     gone.stop()  # D1 is down: every request must go to D0
-    proxy = proxy_for(serve, [serve(p.app).url], [d0_served.url, f"http://127.0.0.1:{port}"])
+    d1_url = f"http://127.0.0.1:{port}"
+    proxy = proxy_for(serve, [serve(p.app).url], [d0_served.url, d1_url], ProxyConfig(health=FAST_HEALTH))
     c = client(proxy)
     for i in range(4):
         assert text_of(ask(c, False, max_tokens=4, stream=False), False) == "D0-answer"
         chunks = [ch.choices[0].text for ch in ask(c, False, max_tokens=4, stream=True)]
         assert chunks == ["D0-0 ", "D0-1 ", "D0-2 "], i
-    # D1 comes back on the same port: it gets its turn again.
+    assert stats_of(proxy)["decode"][d1_url]["state"].startswith("down")
+    # D1 comes back on the same port: once its /health answers it gets its turn again.
     serve(d1.app, port=port)
+    wait_state(proxy, "decode", d1_url, up=True)
     texts = {text_of(ask(c, False, max_tokens=4), False) for _ in range(4)}
     assert texts == {"D0-answer", "D1-answer"}
+
+
+def test_instance_down_is_left_out_then_taken_back(serve):
+    """Health checks take a failing instance out (without a request having to hit it) and back."""
+    p, d0, d1 = Fake("P"), Fake("D0"), Fake("D1")
+    d0_url, d1_url = serve(d0.app).url, serve(d1.app).url
+    proxy = proxy_for(serve, [serve(p.app).url], [d0_url, d1_url], ProxyConfig(health=FAST_HEALTH))
+    c = client(proxy)
+    d1.mode = "unhealthy"  # answers requests but fails /health: it must get none
+    wait_state(proxy, "decode", d1_url, up=False)
+    for _ in range(4):
+        assert text_of(ask(c, False, max_tokens=4), False) == "D0-answer"
+    assert d1.requests == []
+    d1.mode = "ok"
+    wait_state(proxy, "decode", d1_url, up=True)
+    assert {text_of(ask(c, False, max_tokens=4), False) for _ in range(4)} == {"D0-answer", "D1-answer"}
+
+
+def test_prefill_instance_down_is_left_out_then_taken_back(serve):
+    p0, p1, d = Fake("P0"), Fake("P1"), Fake("D")
+    p0_url, p1_url = serve(p0.app).url, serve(p1.app).url
+    proxy = proxy_for(serve, [p0_url, p1_url], [serve(d.app).url], ProxyConfig(health=FAST_HEALTH))
+    c = client(proxy)
+    p0.mode = "unhealthy"
+    wait_state(proxy, "prefill", p0_url, up=False)
+    for _ in range(4):
+        assert text_of(ask(c, False, max_tokens=4), False) == "D-answer"
+    assert (len(p0.requests), len(p1.requests)) == (0, 4)
+    p0.mode = "ok"
+    wait_state(proxy, "prefill", p0_url, up=True)
+    for _ in range(4):
+        ask(c, False, max_tokens=4)
+    assert len(p0.requests) == 2
 
 
 def test_prefill_500_gives_502(serve):
@@ -369,7 +424,7 @@ def test_mid_stream_drop_ends_with_error_event(serve):
 
 def test_stalled_stream_and_slow_answer_time_out(serve):
     p, d = Fake("P"), Fake("D", mode="stall")
-    proxy = proxy_for(serve, [serve(p.app).url], [serve(d.app).url], timeout_s=0.5)
+    proxy = proxy_for(serve, [serve(p.app).url], [serve(d.app).url], ProxyConfig(timeout_s=0.5))
     t0 = time.monotonic()
     with pytest.raises(openai.APIError) as ei:
         for _ in ask(client(proxy), False, stream=True, max_tokens=8):
@@ -396,6 +451,179 @@ def test_invalid_json_body(serve):
     with httpx.Client(trust_env=False, timeout=10) as h:
         r = h.post(proxy + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+# --- what clients may send ---------------------------------------------------------------------
+
+
+def test_client_kv_transfer_params_never_reach_an_instance(serve):
+    forged = {"lmcache_mooncake": {"stored_prompt_tokens": 10**6}}
+    # The prefill answers none: decode must get none either (not the client's).
+    p, d = Fake("P"), Fake("D")
+    proxy = proxy_for(serve, [serve(p.app).url], [serve(d.app).url])
+    for stream in (False, True):
+        resp = ask(client(proxy), False, max_tokens=4, stream=stream, extra_body={"kv_transfer_params": forged})
+        list(resp) if stream else resp
+    assert all("kv_transfer_params" not in b for b in p.bodies() + d.bodies())
+    assert stats_of(proxy)["client_kv_transfer_params_removed"] == 2
+
+    # The prefill answers its own: decode gets exactly that.
+    kv = {"lmcache_mooncake": {"stored_prompt_tokens": 3}}
+    p2, d2 = Fake("P", kv=kv), Fake("D")
+    proxy = proxy_for(serve, [serve(p2.app).url], [serve(d2.app).url])
+    ask(client(proxy), True, max_tokens=4, extra_body={"kv_transfer_params": forged})
+    [pb], [db] = p2.bodies(), d2.bodies()
+    assert "kv_transfer_params" not in pb and db["kv_transfer_params"] == kv
+
+
+def test_body_over_the_limit_gets_413(serve):
+    p, d = Fake("P"), Fake("D")
+    proxy = proxy_for(serve, [serve(p.app).url], [serve(d.app).url],
+                      ProxyConfig(limits=IntakeLimits(max_body_bytes=1000)))
+    big = {"model": "m", "prompt": "x" * 2000}
+    with httpx.Client(trust_env=False, timeout=10) as h:
+        r = h.post(proxy + "/v1/completions", json=big)  # refused on its Content-Length
+        assert r.status_code == 413, r.text
+        assert "1000 bytes" in r.json()["error"]["message"] and "--max-body-bytes" in r.json()["error"]["message"]
+
+        def chunks():  # no Content-Length: refused once the bytes read pass the limit
+            yield json.dumps(big).encode()[:600]
+            yield json.dumps(big).encode()[600:]
+
+        r = h.post(proxy + "/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+        assert r.status_code == 413, r.text
+        assert r.json()["error"]["type"] == "request_too_large"
+        ok = h.post(proxy + "/v1/completions", json={"model": "m", "prompt": "small"})
+        assert ok.status_code == 200
+    assert len(p.requests) == len(d.requests) == 1
+
+
+def test_slow_client_gets_408(serve):
+    p, d = Fake("P"), Fake("D")
+    proxy_url = proxy_for(serve, [serve(p.app).url], [serve(d.app).url],
+                          ProxyConfig(limits=IntakeLimits(read_timeout_s=0.5)))
+    port = int(proxy_url.rsplit(":", 1)[1])
+    body = json.dumps({"model": "m", "prompt": "hi"}).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body[:5])  # then nothing more
+        t0 = time.monotonic()
+        answer = sock.recv(65536).decode()
+    assert time.monotonic() - t0 < 3
+    assert answer.startswith("HTTP/1.1 408"), answer
+    assert "did not arrive within 0.5 s" in answer
+    assert p.requests == [] and d.requests == []
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", {"prompt": "hi"}, "model"),
+    ("/v1/completions", {"model": "m"}, "prompt"),
+    ("/v1/completions", {"model": "m", "prompt": []}, "prompt"),
+    ("/v1/completions", {"model": "m", "prompt": "hi", "stream": "yes"}, "stream"),
+    ("/v1/chat/completions", {"model": "m"}, "messages"),
+    ("/v1/chat/completions", {"model": "m", "messages": ["hi"]}, "messages"),
+])
+def test_missing_or_wrong_field_gets_400_naming_it(serve, path, body, param):
+    p, d = Fake("P"), Fake("D")
+    proxy = proxy_for(serve, [serve(p.app).url], [serve(d.app).url])
+    with httpx.Client(trust_env=False, timeout=10) as h:
+        r = h.post(proxy + path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and f"'{param}'" in err["message"]
+    assert p.requests == [] and d.requests == []
+
+
+# --- the proxy with a tokenizer and a store -----------------------------------------------------
+
+NS = keys.namespace_for("fake-model", "float32", 2, 1, 8, chunk_size=4)
+
+
+class FakeKeyer:
+    """Tokens are the prompt's words' lengths; keys are the real chunk keys of those tokens."""
+
+    def keys_for(self, path: str, body: dict) -> PromptKeys | None:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            return None
+        tokens = [len(w) for w in prompt.split()]
+        return PromptKeys(tokens, keys.chunk_keys(NS, tokens))
+
+    def close(self) -> None:
+        pass
+
+
+class FakeCoverage:
+    """The store holds whatever tokens were 'stored' (every prompt prefilled once)."""
+
+    def __init__(self) -> None:
+        self.held: set[bytes] = set()
+        self.asked = 0
+
+    def covered_tokens(self, chunk_keys) -> int:
+        self.asked += 1
+        covered = 0
+        for k in chunk_keys:
+            if k.digest not in self.held:
+                break
+            covered = k.end
+        return covered
+
+    def close(self) -> None:
+        pass
+
+
+def test_prefix_routing_keeps_a_shared_prefix_on_one_decode_instance(serve):
+    p, d0, d1 = Fake("P"), Fake("D0"), Fake("D1")
+    decodes = [serve(d0.app).url, serve(d1.app).url]
+    proxy = proxy_for(serve, [serve(p.app).url], decodes, ProxyConfig(health=FAST_HEALTH), keyer=FakeKeyer())
+    c = client(proxy)
+    systems = ["aa bbb c dddd", "eeeee f gg hhh", "i jj kkk llll", "mm n ooo pppp"]  # 4 tokens: one chunk
+    owner: dict[str, set[str]] = {s: set() for s in systems}
+    for i in range(24):
+        system = systems[i % 4]
+        resp = ask(c, False, max_tokens=2, extra_body={"prompt": f"{system} user {'q ' * (i % 5)}{i}"})
+        owner[system].add(resp.choices[0].text)
+    # One instance per system prompt: the one rendezvous hashing of its chunk key picks.
+    names = dict(zip(decodes, ("D0-answer", "D1-answer"), strict=True))
+    for system, got in owner.items():
+        first_key = FakeKeyer().keys_for("", {"prompt": system}).keys[0].digest
+        assert got == {names[max(decodes, key=lambda u: RendezvousPlacement.weight(first_key, u))]}, owner
+
+    # Round-robin for the same requests splits every system prompt over both.
+    rr = proxy_for(serve, [serve(Fake("P").app).url], decodes, ProxyConfig(routing="round-robin"),
+                   keyer=FakeKeyer())
+    seen = {ask(client(rr), False, max_tokens=2, extra_body={"prompt": f"{systems[0]} x {i}"}).choices[0].text
+            for i in range(4)}
+    assert seen == {"D0-answer", "D1-answer"}
+
+
+def test_direct_decode_skips_prefill_only_for_what_the_store_holds(serve):
+    p, d = Fake("P"), Fake("D")
+    coverage = FakeCoverage()
+    proxy = proxy_for(serve, [serve(p.app).url], [serve(d.app).url],
+                      ProxyConfig(direct_decode_max_uncached=2), keyer=FakeKeyer(), coverage=coverage)
+    c = client(proxy)
+    long_prompt = "a bb ccc dddd eeeee ffffff g hh iii jjjj"  # 10 tokens: chunks of 4, 4, 2
+    ask(c, False, max_tokens=2, extra_body={"prompt": long_prompt})
+    assert len(p.requests) == 1  # nothing held: through prefill
+
+    ks = FakeKeyer().keys_for("/v1/completions", {"prompt": long_prompt}).keys
+    coverage.held.update(k.digest for k in ks[:2])  # 8 of 10 tokens held: 2 uncached
+    ask(c, False, max_tokens=2, extra_body={"prompt": long_prompt})
+    assert len(p.requests) == 1 and len(d.requests) == 2  # straight to decode
+    assert "kv_transfer_params" not in d.bodies()[-1]
+
+    coverage.held.clear()
+    coverage.held.add(ks[0].digest)  # 4 of 10 held: 6 uncached, over the threshold
+    ask(c, False, max_tokens=2, extra_body={"prompt": long_prompt})
+    assert len(p.requests) == 2
+
+    asked = coverage.asked
+    ask(c, False, max_tokens=2, extra_body={"prompt": "x y"})  # 2 tokens: short enough, no store call
+    assert len(p.requests) == 2 and coverage.asked == asked
+    s = stats_of(proxy)
+    assert (s["direct_decode"], s["via_prefill"]) == (2, 2)
 
 
 # --- /health and /v1/models ---------------------------------------------------------------------
