@@ -118,11 +118,19 @@ class StoreAttachment:
         return data
 
     def close(self) -> None:
+        """Detach; the counters keep what the client counted (the last dump shows them)."""
         with self._lock:
             self._closed = True
             client, self._client = self._client, None
+            if client is not None:
+                self._retire(client)
         if client is not None:
             client.close()
+
+    def _retire(self, client: StoreClient) -> None:
+        for name, value in client.stats().items():
+            if isinstance(value, int) and not isinstance(value, bool):
+                self._retired[name] += value
 
     # -- internals ---------------------------------------------------------------
     def _warn(self, what: str, todo: str | None = None) -> None:
@@ -189,9 +197,7 @@ class StoreAttachment:
         with self._lock:
             old = self._client
             if old is not None:
-                for name, value in old.stats().items():
-                    if isinstance(value, int) and not isinstance(value, bool):
-                        self._retired[name] += value
+                self._retire(old)
             self._client, self._endpoint = client, endpoint
             self._counts["attached_clients"] += 1
             self._backoff = self._retry_s

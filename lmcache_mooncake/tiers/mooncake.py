@@ -10,9 +10,10 @@ A store that is missing when vLLM starts is a miss too: the tier attaches
 when one appears (:mod:`lmcache_mooncake.tiers.attach`).
 Objects are verified chunks (:mod:`chunk_format`); bytes from the store are
 checked where they arrive (the staging region) and copied once, straight
-into LMCache's buffer; a chunk that fails its check is a miss, counted and
-logged. Writes send the chunk's header and its payload as they lie (no
-encoded copy); the header is hashed once for all tiers.
+into LMCache's buffer; a chunk that fails its check is a miss, counted,
+logged and removed from the store (so a good copy can take its place).
+Writes send the chunk's header and its payload as they lie (no encoded
+copy); the header is hashed once for all tiers.
 
 Object names come from :func:`lmcache_mooncake.keys.object_name` (full-width
 namespace digest and chunk key), built from validated key fields only.
@@ -99,6 +100,8 @@ class MooncakeTierConnector(VerifiedTier):
         names = [object_name(k) for k in keys_]
         out: list[MemoryObj | None] = [None] * len(keys_)
 
+        bad: list[str] = []
+
         def take(i: int, data: memoryview) -> None:
             # The object is in the client's staging region: check it there and
             # copy its payload once, into LMCache's buffer.
@@ -106,6 +109,7 @@ class MooncakeTierConnector(VerifiedTier):
                 header = chunk_format.parse_header(data, keys_[i].to_string())
             except chunk_format.ChunkVerificationError as e:
                 self._bad(names[i], e)
+                bad.append(names[i])
                 return
             obj = self._allocate(header)
             if obj is None:
@@ -115,6 +119,7 @@ class MooncakeTierConnector(VerifiedTier):
             except chunk_format.ChunkVerificationError as e:
                 obj.ref_count_down()
                 self._bad(names[i], e)
+                bad.append(names[i])
                 return
             out[i] = obj
             self.stats.add("store_hits")
@@ -125,6 +130,8 @@ class MooncakeTierConnector(VerifiedTier):
             codes = [ERR_UNAVAILABLE] * len(names)
         else:
             codes = client.batch_get_visit(names, [self._max_object] * len(names), take)
+        if bad and client is not None:
+            self._remove_bad(client, bad)
         for name, code in zip(names, codes, strict=True):
             if code == NOT_FOUND:
                 self.stats.add("store_misses")
@@ -136,6 +143,15 @@ class MooncakeTierConnector(VerifiedTier):
     def _bad(self, name: str, e: Exception) -> None:
         self.stats.add("verify_failures")
         logger.warning("Mooncake tier: chunk %s failed verification (%s); recomputing", name, e)
+
+    def _remove_bad(self, client: StoreClient, names: list[str]) -> None:
+        """Remove objects that failed their check: the store keeps the first value put under
+        a key, so a damaged object left there would block every good copy written later."""
+        for name, code in zip(names, client.batch_remove(names, force=True), strict=True):
+            if code == 0:
+                self.stats.add("store_bad_removed")
+            else:
+                logger.warning("Mooncake tier: could not remove damaged chunk %s (%s)", name, describe(code))
 
     # -- writes ------------------------------------------------------------
     def _put_sync(self, keys_: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
