@@ -247,13 +247,13 @@ def test_disk_tier_read_only_then_full(inst, disk, baseline):
     assert not any(f.exists() for f in inst.files("disk_ro"))
 
     filler = disk / "filler"
-    with open(filler, "wb") as f, contextlib.suppress(OSError):
-        block = b"\0" * (1 << 20)
-        while True:
-            f.write(block)
-            f.flush()
+    with open(filler, "wb", buffering=0) as f:
+        for block in (1 << 20, 4096):  # to the last page: not even a small chunk may fit
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * block)
     with pytest.raises(OSError) as e:
-        (disk / "probe").write_bytes(b"\0" * (1 << 20))
+        (disk / "probe").write_bytes(b"\0" * 4096)
     assert e.value.errno == errno.ENOSPC
     try:
         inst.run(["disk_full"], baseline)

@@ -91,6 +91,19 @@ if role in ("0", "1"):
                 write(r, i, data if kind == "disk" else chunk_format.encode(key_string(r, i), data))
         passes += 1
     print("OK wrote", passes)
+elif role == "check":  # one pass after a writer was killed: nothing, or a whole valid chunk
+    seen = {"none": 0, "0": 0, "1": 0}
+    for r in range(ROUNDS):
+        for i in range(KEYS):
+            data = read(r, i)
+            if data is None:
+                seen["none"] += 1
+                continue
+            t = chunk_format.decode(data, key_string(r, i))
+            assert t.unique().tolist() == [1.0], t.unique().tolist()[:4]
+            seen["0"] += 1
+    assert seen["0"], seen
+    print("OK checked", seen)
 else:
     seen = {"none": 0, "0": 0, "1": 0}
     done = False
@@ -139,3 +152,35 @@ def test_two_writers_and_a_reader_on_the_same_store_keys(tmp_path):
 
 def test_two_writers_and_a_reader_on_the_same_disk_chunks(tmp_path):
     print(race("disk", tmp_path / "disk"))
+
+
+def kill_mid_save(kind: str, where: Path) -> str:
+    """SIGKILL a writer 0.2 s into its writes (its first pass, or a rewrite), then read every key once."""
+    code = CHILD % {"dims": repr((L, H, D, T, KEYS, ROUNDS))}
+    start_at = time.time() + 8.0
+    writer = subprocess.Popen([sys.executable, "-c", code, "0", kind, str(where), str(start_at)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    time.sleep(max(start_at + 0.2 - time.time(), 0))
+    assert writer.poll() is None, "the writer finished before it was killed"
+    writer.kill()
+    writer.communicate(timeout=30)
+    check = subprocess.run([sys.executable, "-c", code, "check", kind, str(where), str(time.time())],
+                           capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert check.returncode == 0 and "OK" in check.stdout, check.stdout + check.stderr[-3000:]
+    return check.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake is not installed")
+def test_writer_killed_mid_save_leaves_no_partial_store_object(tmp_path):
+    sd = tmp_path / "store"
+    start_store(StoreSpec(memory_bytes=256 << 20, state_dir=sd))
+    try:
+        print(kill_mid_save("store", sd))
+    finally:
+        stop_store(sd)
+
+
+def test_writer_killed_mid_save_leaves_no_partial_disk_chunk(tmp_path):
+    print(kill_mid_save("disk", tmp_path / "disk"))
+    # What a killed writer can leave is its temporary file, never a chunk under a valid name.
+    print("temporary files left:", len(list((tmp_path / "disk").glob("*/.*.tmp"))))
