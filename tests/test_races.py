@@ -181,6 +181,12 @@ def test_writer_killed_mid_save_leaves_no_partial_store_object(tmp_path):
 
 
 def test_writer_killed_mid_save_leaves_no_partial_disk_chunk(tmp_path):
+    # What a killed writer can leave is its temporary file, never a chunk under a valid name;
+    # the next tier that opens the folder removes it. One is planted here (the kill may miss a write).
+    ns_dir = tmp_path / "disk" / ("ab" * 32)
+    ns_dir.mkdir(parents=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    planted = ns_dir / f".{'cd' * 32}.lmcm.{int(dead.stdout)}.1234.tmp"
+    planted.write_bytes(b"\0" * 1000)
     print(kill_mid_save("disk", tmp_path / "disk"))
-    # What a killed writer can leave is its temporary file, never a chunk under a valid name.
-    print("temporary files left:", len(list((tmp_path / "disk").glob("*/.*.tmp"))))
+    assert not planted.exists()
