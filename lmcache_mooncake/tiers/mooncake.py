@@ -71,6 +71,7 @@ class MooncakeTierConnector(VerifiedTier):
             mc, s.resolve, lambda endpoint: StoreClient.from_config(mc, endpoint, require=False)
         )
         self.stats.register("store_client_", self.attachment.stats)
+        self.stats.register("cpu_tier_", self._cpu_tier_counts)
         # The largest object: a full chunk's payload and its header.
         self._max_object = self.full_chunk_size_bytes + chunk_format.HEADER_ROOM
         endpoint, client = self.attachment.endpoint, self.attachment.client()
@@ -79,6 +80,17 @@ class MooncakeTierConnector(VerifiedTier):
             endpoint.master_addr if endpoint else "not yet recorded", endpoint.mode if endpoint else "-",
             self.timeout, client is not None and client.healthy,
         )
+
+    def _cpu_tier_counts(self) -> dict[str, int]:
+        """Chunks in LMCache's CPU tier and how many are pinned (a lookup pins what it
+        found until the load that follows; none may stay pinned once requests end)."""
+        backend = self.local_cpu_backend
+        hot = getattr(backend, "hot_cache", None)
+        if hot is None:
+            return {}
+        with backend.cpu_lock:
+            objs = list(hot.values())
+        return {"chunks": len(objs), "pinned_chunks": sum(1 for m in objs if m.is_pinned)}
 
     # -- lookups -----------------------------------------------------------
     def _contains_prefix(self, keys_: list[CacheEngineKey]) -> int:
