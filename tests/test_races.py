@@ -145,14 +145,18 @@ def race(kind: str, where: Path) -> list[str]:
     return outs
 
 
-@pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake is not installed")
-def test_two_writers_and_a_reader_on_the_same_store_keys(tmp_path):
+@pytest.fixture
+def store(tmp_path):
+    if importlib.util.find_spec("mooncake") is None:
+        pytest.skip("Mooncake is not installed")
     sd = tmp_path / "store"
     start_store(StoreSpec(memory_bytes=256 << 20, state_dir=sd))
-    try:
-        print(race("store", sd))
-    finally:
-        stop_store(sd)
+    yield sd
+    stop_store(sd)
+
+
+def test_two_writers_and_a_reader_on_the_same_store_keys(store):
+    print(race("store", store))
 
 
 def test_two_writers_and_a_reader_on_the_same_disk_chunks(tmp_path):
@@ -175,14 +179,8 @@ def kill_mid_save(kind: str, where: Path) -> str:
     return check.stdout.strip().splitlines()[-1]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake is not installed")
-def test_writer_killed_mid_save_leaves_no_partial_store_object(tmp_path):
-    sd = tmp_path / "store"
-    start_store(StoreSpec(memory_bytes=256 << 20, state_dir=sd))
-    try:
-        print(kill_mid_save("store", sd))
-    finally:
-        stop_store(sd)
+def test_writer_killed_mid_save_leaves_no_partial_store_object(store):
+    print(kill_mid_save("store", store))
 
 
 def test_writer_killed_mid_save_leaves_no_partial_disk_chunk(tmp_path):
