@@ -72,7 +72,8 @@ def serve_without_then_with_store(model, baseline, tmp_path: Path, mooncake: dic
     spec = RunSpec(model=str(model), prompts=[], prefix_caching=False, max_tokens=10,
                    extra_config={"max_local_cpu_size": 0.25, "run_dir": str(run_dir),
                                  "mooncake": {"timeout": TIMEOUT, **mooncake}})
-    with Instance(spec, tmp_path / "inst") as inst:
+    # Short folder names: vLLM's IPC sockets live under it, and a socket path has at most 107 bytes.
+    with Instance(spec, tmp_path / "i") as inst:
         res = inst.run(BEFORE)
         for p, r in zip(BEFORE, res, strict=True):
             assert r.output_ids == baseline[tuple(p)]
@@ -111,7 +112,7 @@ def serve_without_then_with_store(model, baseline, tmp_path: Path, mooncake: dic
     assert log.count(WARNING) == 1, "expected exactly one 'store missing' warning"
 
 
-def test_auto_without_recorded_store_serves_then_attaches(model, baseline, tmp_path):
+def test_auto_missing_store_serves_then_attaches(model, baseline, tmp_path):
     store_dir = tmp_path / "store"  # nothing recorded here yet
 
     def start() -> Path:
@@ -121,7 +122,7 @@ def test_auto_without_recorded_store_serves_then_attaches(model, baseline, tmp_p
     serve_without_then_with_store(model, baseline, tmp_path, {"store_dir": str(store_dir)}, start)
 
 
-def test_explicit_address_without_store_serves_then_attaches(model, baseline, tmp_path):
+def test_explicit_missing_store_serves_then_attaches(model, baseline, tmp_path):
     ports = dict(master_port=free_port(), metadata_port=free_port(), metrics_port=free_port(),
                  client_port=free_port())
     mooncake = {"master_address": f"127.0.0.1:{ports['master_port']}",
