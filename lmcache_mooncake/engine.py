@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import time
 from collections.abc import Iterable
@@ -176,7 +177,7 @@ def build_engine(
 
         plugins.append(mooncake.PLUGIN_NAME)
         ctx.tier_settings[mooncake.PLUGIN_NAME] = mooncake.MooncakeTierSettings(
-            cfg.mooncake, store_endpoint(cfg.mooncake)
+            cfg.mooncake, functools.partial(store_endpoint, cfg.mooncake)
         )
         extra.update(mooncake.MooncakeTierConnector.plugin_extra_config())
     ctx.writers = list(plugins)
@@ -215,7 +216,10 @@ def build_engine(
 def store_endpoint(mc: MooncakeConfig) -> StoreEndpoint:
     """Where the Mooncake tier (and warm-up) attach: the configured addresses over
     TCP, or for ``auto`` the store recorded by ``lmcache-mooncake store up`` on
-    this host, over shared memory unless ``mode: tcp``."""
+    this host, over shared memory unless ``mode: tcp``.
+
+    Raises StoreError for ``auto`` while no store is recorded (the Mooncake
+    tier then retries later, see ``tiers.attach``; warm-up stops)."""
     if mc.master_address != "auto" and mc.metadata_server != "auto":
         return StoreEndpoint(mc.master_address, mc.metadata_server, "tcp")
     from lmcache_mooncake.store.errors import StoreError

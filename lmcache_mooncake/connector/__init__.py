@@ -251,6 +251,11 @@ class LMCacheMooncakeConnector(KVConnectorBase_V1):
         """Scheduler: this step's loads and saves, for the workers."""
         return self._scheduler_side().build_connector_meta(scheduler_output)
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Scheduler: the workers' output of a step; a request whose load failed is computed,
+        never sent to the same chunks again."""
+        self._scheduler_side().update_connector_output(connector_output)
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Scheduler: the blocks can be freed at once (saves copy out within their step)."""
         return self._scheduler_side().request_finished(request, block_ids)

@@ -52,6 +52,9 @@ class _Request:
     load_async: bool = False
     #: The load went to the workers (an asynchronous one before vLLM schedules the request).
     load_sent: bool = False
+    #: Workers reported a block of this request's load as failed: vLLM recomputes it,
+    #: and it is not sent back to the same chunks (which may fail again, at once, forever).
+    load_failed: bool = False
     block_ids: list[int] | None = None
     #: We know the request's salt (it was looked up): only then is it saved.
     looked_up: bool = False
@@ -97,6 +100,10 @@ class SchedulerSide:
         if not self.load_enabled and not self.save_enabled:
             return 0, False
         rec = self._record(request)
+        if rec.load_failed:
+            rec.load = None
+            self.stats.add("loads_failed_recomputed")
+            return 0, False
         prompt_len = len(rec.token_ids)
         promised = self._promised(request, prompt_len)
         now = time.monotonic()
@@ -156,6 +163,17 @@ class SchedulerSide:
             # load finished: its blocks are known now, and the load goes out
             # with the next step's metadata.
             rec.block_ids = list(blocks.get_block_ids()[0])
+
+    def update_connector_output(self, output: Any) -> None:
+        """Mark requests whose load the workers reported failed (``invalid_block_ids``)."""
+        invalid = getattr(output, "invalid_block_ids", None)
+        if not invalid:
+            return
+        for req_id, rec in self._reqs.items():
+            if rec.load_sent and rec.block_ids and not invalid.isdisjoint(rec.block_ids):
+                if not rec.load_failed:
+                    logger.info("request %s: its load failed; computing it instead", req_id)
+                rec.load_failed = True
 
     def _chunk_end(self, token_count: int, pos: int) -> int:
         """End of the chunk holding token ``pos - 1`` (chunks end at multiples or at the prompt end)."""

@@ -45,6 +45,8 @@ Return values (all lists are index-aligned with ``keys``):
   content-hashed keys); negative: not stored. Mooncake codes are passed through
   (e.g. ``-200`` NO_AVAILABLE_HANDLE: store full, ``-900`` RPC_FAIL), plus this
   module's ``ERR_*`` codes.
+- :meth:`StoreClient.batch_remove` -> ``list[int]``: ``0`` removed, ``-704``
+  missing, ``-706`` leased by a recent read; other negative values: failure.
 - :meth:`StoreClient.batch_get_into` -> ``list[int]``: ``>= 0`` the number of
   bytes read into the caller's buffer (the object's size); ``-704``
   (:data:`NOT_FOUND`) missing; ``-600`` buffer smaller than the object; other
@@ -394,6 +396,10 @@ class StoreClient(StagedTransfers):
             return ERR_UNAVAILABLE
         for host, port in self._targets:
             if not can_connect(host, port, max(min(0.5, deadline - now), 0.01)):
+                if self.mode == "shm":
+                    # The storage process is gone, and with it its mapping of our
+                    # shared memory: when it is back, attach anew (a probe would pass).
+                    self._probe_failures = self.rebuild_after
                 self._mark_unhealthy(f"nothing accepts connections at {host}:{port}")
                 return ERR_UNAVAILABLE
         if self._store is not None and self._probe_failures < self.rebuild_after:
@@ -540,6 +546,13 @@ class StoreClient(StagedTransfers):
         if bad:
             self._stats["connection_errors"] += 1
             self._mark_unhealthy(f"{what} got {describe(bad[0])}")
+        elif self.mode == "shm" and what == "batch_put_from" and INVALID_PARAMS in codes:
+            # A put from our shared memory is refused when the storage process
+            # does not map it: it restarted since we attached. Attach anew.
+            self._stats["connection_errors"] += 1
+            self._probe_failures = self.rebuild_after
+            self._mark_unhealthy(f"{what} got {describe(INVALID_PARAMS)}: the storage process does not map "
+                                 "this client's shared memory (restarted?); attaching again")
 
     # ------------------------------------------------------------------ API
 
@@ -575,6 +588,27 @@ class StoreClient(StagedTransfers):
         allow more.
         """
         return self._transfer(list(keys), list(buffers), put=True, timeout_s=timeout_s)
+
+    def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
+        """Remove each key. Per key: 0 removed, -704 missing, -706 leased by a recent read
+        (unless ``force``), other negative: failed. ``force`` skips Mooncake's lease and
+        replication checks: only for objects nobody should read (a chunk that failed its check)."""
+        keys = list(keys)
+        if not keys:
+            return []
+        deadline, code = self._begin()
+        if code != OK:
+            return [code] * len(keys)
+        try:
+            store = self._store
+            ok, val = self._run(lambda: store.batch_remove(keys, force), deadline, "batch_remove")
+            if not ok:
+                return [val] * len(keys)
+            codes = [int(v) for v in val]
+            self._check_codes(codes, "batch_remove")
+            return codes
+        finally:
+            self._lock.release()
 
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
         """Read each key into its buffer. Per key: bytes read (>= 0), -704 missing, other negative: failed.

@@ -75,6 +75,7 @@ __all__ = [
     "parse_prometheus",
     "port_in_use",
     "read_state",
+    "restart_storage",
     "start_store",
     "stop_store",
     "store_status",
@@ -325,6 +326,51 @@ def stop_store(state_dir: Path | str | None = None, timeout_s: float = 10.0) -> 
         st.state_file.unlink(missing_ok=True)
     log.info("Mooncake store in %s stopped: %s", sd, result)
     return result
+
+
+def restart_storage(state_dir: Path | str | None = None, timeout_s: float = 30.0) -> StoreState:
+    """Start the recorded storage process again, with its recorded command line (same ports),
+    stopping it first if it still runs; the master is left as it is.
+
+    For a storage process that crashed or was killed: the objects it held are
+    gone (the master forgets them), clients reconnect by themselves. Returns
+    once the master places new objects in the new process only (it keeps the
+    old segment for its ``client_ttl``, 10 s by default), with the updated state; :class:`StoreError` if no store is recorded or the
+    process does not come up within ``timeout_s``.
+    """
+    sd = Path(state_dir).expanduser() if state_dir is not None else default_state_dir()
+    with _locked(sd):
+        st = read_state(sd)
+        if st is None:
+            raise StoreError(f"no store recorded in {sd}; start one with: lmcache-mooncake store up")
+        if _pid_matches(st.client_pid, st.client_cmdline):
+            _terminate(st.client_pid, st.client_cmdline, grace_s=timeout_s)
+        env = dict(os.environ)
+        env["MC_TCP_BIND_ADDRESS"] = LOOPBACK
+        ports = {n: int(getattr(st, n)) for n in _PORT_NAMES}
+        cpid = _spawn(st.client_cmdline, Path(st.client_log), env, sd)
+        try:
+            _wait_storage(cpid, Path(st.client_log), ports, st.memory_bytes, time.monotonic() + timeout_s,
+                          timeout_s)
+        except BaseException:
+            _terminate(cpid, None, grace_s=3.0)
+            raise
+        st.client_pid = cpid
+        st.write()
+        # Until the master drops the dead process's segment (client_ttl after its
+        # last heartbeat) it still places new objects there, and those writes fail.
+        url = f"{st.metrics_url}/metrics"
+        procs.wait_until(
+            lambda: 0 < parse_prometheus(_http_text(url, 0.5)).get("master_total_capacity_bytes", 0)
+            <= st.memory_bytes,
+            alive=lambda: _pid_alive(cpid), deadline=time.monotonic() + timeout_s, interval_s=0.2,
+            on_exit=lambda: _died(cpid, "mooncake_client (storage process)", Path(st.client_log), ports),
+            on_timeout=lambda: StoreError(
+                f"the master at {st.master_addr} still counts the old storage process's memory "
+                f"{timeout_s:g} s after the restart; check {st.master_log}"),
+        )
+    log.info("Mooncake storage process in %s restarted (pid %d)", sd, cpid)
+    return st
 
 
 # --------------------------------------------------------------------------

@@ -48,6 +48,16 @@ class DiskTierSettings:
     verify_on_lookup: bool = True
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def chunk_file_name(key: CacheEngineKey) -> str:
     """File name for LMCache's ``key`` (:func:`keys.file_name`); ValueError for a key that is not ours."""
     return keys.file_name(key.model_name, key.chunk_hash)
@@ -79,6 +89,14 @@ class DiskTierConnector(VerifiedTier):
 
     # -- bookkeeping -------------------------------------------------------
     def _scan(self) -> None:
+        # A writer killed mid-write leaves its temporary file (never read, but
+        # it takes space): remove those of processes that are gone.
+        for tmp in self.root.glob("*/.*.tmp"):
+            parts = tmp.name.split(".")
+            pid = int(parts[-3]) if len(parts) >= 4 and parts[-3].isdigit() else 0
+            if pid and not _pid_alive(pid):
+                tmp.unlink(missing_ok=True)
+                logger.info("disk tier: removed %s, left by a writer that is gone", tmp)
         entries = []
         for p in self.root.glob(f"*/*{SUFFIX}"):
             try:
