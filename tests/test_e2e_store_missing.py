@@ -18,7 +18,7 @@ import pytest
 
 from lmcache_mooncake import keys
 from lmcache_mooncake.keys import KeyNamespace
-from lmcache_mooncake.stats import read_stats
+from lmcache_mooncake.stats import read_dumps
 from lmcache_mooncake.store.client import StoreClient
 from lmcache_mooncake.store.launcher import StoreSpec, free_port, start_store, stop_store
 from lmcache_mooncake.testing.models import ModelSpec, build_model
@@ -40,8 +40,9 @@ AFTER = rand_prompts(22, [600])
 
 
 def counters(run_dir: Path) -> dict[str, int]:
-    """The connector's counters (the one place to change if they move to /metrics)."""
-    return read_stats(run_dir)
+    """The connector's internal counters, as its processes last wrote them under ``run_dir``
+    (offline and served runs alike; served instances also publish them on /metrics)."""
+    return read_dumps(run_dir)
 
 
 @pytest.fixture(scope="module")

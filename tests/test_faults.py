@@ -34,7 +34,7 @@ import pytest
 
 from lmcache_mooncake import keys
 from lmcache_mooncake.keys import KeyNamespace, chunk_keys
-from lmcache_mooncake.stats import read_stats
+from lmcache_mooncake.stats import read_dumps
 from lmcache_mooncake.store.client import StoreClient
 from lmcache_mooncake.store.launcher import StoreSpec, read_state, restart_storage, start_store, stop_store
 from lmcache_mooncake.testing.models import ModelSpec, build_model
@@ -56,8 +56,9 @@ P = {name: [_rng.randrange(16, 2000) for _ in range(600)] for name in NAMES}
 
 
 def counters(run_dir: Path) -> dict[str, int]:
-    """The connector's counters (the one place to change if they move to /metrics)."""
-    return read_stats(run_dir)
+    """The connector's internal counters, as its processes last wrote them under ``run_dir``
+    (offline and served runs alike; served instances also publish them on /metrics)."""
+    return read_dumps(run_dir)
 
 
 @pytest.fixture(scope="module")
@@ -298,7 +299,7 @@ def test_damaged_store_chunk_is_a_miss_and_removed(inst, baseline, kind):
     before = inst.counters()
     inst.run([name], baseline)
     after = inst.counters()
-    assert after["verify_failures"] - before.get("verify_failures", 0) == 1
+    assert after["store_verify_failures"] - before.get("store_verify_failures", 0) == 1
     assert after["store_bad_removed"] - before.get("store_bad_removed", 0) == 1
     with inst.client() as c:
         assert c.batch_exists([victim]) == [False]
@@ -317,7 +318,7 @@ def test_damaged_disk_chunk_is_a_miss_and_removed(inst, baseline, kind):
     before = inst.counters()
     inst.run([name], baseline)
     after = inst.counters()
-    assert after["verify_failures"] - before.get("verify_failures", 0) == 1
+    assert after["disk_verify_failures"] - before.get("disk_verify_failures", 0) == 1
 
 
 def test_cache_salt_separates_tenants_through_the_store(inst, baseline):

@@ -31,7 +31,7 @@ from servers import Server
 
 from lmcache_mooncake.procs import free_port
 from lmcache_mooncake.serve import vllm_command
-from lmcache_mooncake.stats import read_stats
+from lmcache_mooncake.stats import read_dumps
 from lmcache_mooncake.store.launcher import StoreSpec, read_state, start_store, stop_store
 from lmcache_mooncake.testing.models import ModelSpec, build_model
 from lmcache_mooncake.testing.offline import RunSpec, run_instance, vllm_env
@@ -44,8 +44,9 @@ CPU_CAP, DISK_CAP, STORE_CAP = 24 * MiB, 32 * MiB, 32 * MiB
 
 
 def counters(run_dir: Path) -> dict[str, int]:
-    """The connector's counters (the one place to change if they move to /metrics)."""
-    return read_stats(run_dir)
+    """The connector's internal counters, as its processes last wrote them under ``run_dir``
+    (offline and served runs alike; served instances also publish them on /metrics)."""
+    return read_dumps(run_dir)
 
 
 class Load:

@@ -214,10 +214,12 @@ class LMCacheMooncakeConnector(KVConnectorBase_V1):
         return ChunkEvents(events) if events else None
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Scheduler, after every step: keep the workers' KV events until vLLM takes them."""
+        """Scheduler, after every step: keep the workers' KV events until vLLM takes them; a
+        request whose load failed is computed, never sent to the same chunks again."""
         events = connector_output.kv_cache_events
         if isinstance(events, ChunkEvents):
             self._events.extend(events.get_all_events())
+        self._scheduler_side().update_connector_output(connector_output)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """Scheduler: the workers' KV events since the last call (vLLM publishes them)."""
@@ -250,11 +252,6 @@ class LMCacheMooncakeConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """Scheduler: this step's loads and saves, for the workers."""
         return self._scheduler_side().build_connector_meta(scheduler_output)
-
-    def update_connector_output(self, connector_output: Any) -> None:
-        """Scheduler: the workers' output of a step; a request whose load failed is computed,
-        never sent to the same chunks again."""
-        self._scheduler_side().update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Scheduler: the blocks can be freed at once (saves copy out within their step)."""

@@ -346,11 +346,11 @@ def restart_storage(state_dir: Path | str | None = None, timeout_s: float = 30.0
         if _pid_matches(st.client_pid, st.client_cmdline):
             _terminate(st.client_pid, st.client_cmdline, grace_s=timeout_s)
         env = dict(os.environ)
-        env["MC_TCP_BIND_ADDRESS"] = LOOPBACK
+        env["MC_TCP_BIND_ADDRESS"] = st.host
         ports = {n: int(getattr(st, n)) for n in _PORT_NAMES}
         cpid = _spawn(st.client_cmdline, Path(st.client_log), env, sd)
         try:
-            _wait_storage(cpid, Path(st.client_log), ports, st.memory_bytes, time.monotonic() + timeout_s,
+            _wait_storage(st.host, cpid, Path(st.client_log), ports, st.memory_bytes, time.monotonic() + timeout_s,
                           timeout_s)
         except BaseException:
             _terminate(cpid, None, grace_s=3.0)
