@@ -162,6 +162,7 @@ def build_engine(
     :func:`context` ``(instance_id)``; close it with :func:`close_engine`.
     """
     ctx = engine_context(instance_id)
+    ctx.namespace = namespace  # each tier records its manifest on its first write
     extra: dict[str, Any] = {}
     plugins: list[str] = []
     if cfg.disk_path is not None:

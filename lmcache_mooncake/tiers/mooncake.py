@@ -25,7 +25,7 @@ from typing import Any
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 
-from lmcache_mooncake import chunk_format, keys
+from lmcache_mooncake import chunk_format, keys, namespaces
 from lmcache_mooncake.config import MooncakeConfig
 from lmcache_mooncake.store.client import NOT_FOUND, StoreClient, StoreEndpoint, describe
 from lmcache_mooncake.tiers.base import VerifiedTier
@@ -122,6 +122,9 @@ class MooncakeTierConnector(VerifiedTier):
         logger.warning("Mooncake tier: chunk %s failed verification (%s); recomputing", name, e)
 
     # -- writes ------------------------------------------------------------
+    def _record_manifest(self, namespace: keys.KeyNamespace) -> bool:
+        return namespaces.write_store_manifest(self.client, namespace, self.put_timeout)
+
     def _put_sync(self, keys_: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
         names = [object_name(k) for k in keys_]
         parts = [(self._header(k, m), m.tensor) for k, m in zip(keys_, memory_objs, strict=True)]
