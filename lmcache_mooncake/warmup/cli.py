@@ -106,7 +106,8 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
     return p
 
 
-def _parse_set(items: list[str]) -> dict[str, Any]:
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """``--set KEY=VALUE`` options as config overrides (YAML values; dotted keys are sections)."""
     import yaml
 
     out: dict[str, Any] = {}
@@ -137,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
             logging.getLogger(name).setLevel(logging.WARNING)
         summary = warmup(
             args.model, args.config, args.input,
-            overrides=_parse_set(args.set), model_id=args.model_id, dtype=args.dtype,
+            overrides=parse_set(args.set), model_id=args.model_id, dtype=args.dtype,
             max_model_len=args.max_model_len, chat_template=args.chat_template, server_args=args.server_arg,
             batch_size=args.batch_size, strict=args.strict, dry_run=args.dry_run, kv_cache_gib=args.kv_cache_gib,
             batch_timeout_s=args.batch_timeout, verify_timeout_s=args.verify_timeout, work_dir=args.work_dir,
