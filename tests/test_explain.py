@@ -163,3 +163,79 @@ def test_command_errors_say_what_to_do(tmp_path, capsys, model, args, message, m
     monkeypatch.chdir(REPO)
     rc, out, err = run_explain(capsys, model, tmp_path, *args)
     assert rc == 2 and out is None and message in err
+
+
+# -- the store view: manifests listed through the master's admin HTTP server ---------------
+
+
+class _Admin:
+    """The master's /get_all_keys (one name a line), served on loopback."""
+
+    def __init__(self, names: list[str]):
+        import http.server
+        import threading
+
+        body = "\n".join(names).encode()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - the http.server API
+                code = 200 if self.path == "/get_all_keys" else 404
+                self.send_response(code)
+                self.end_headers()
+                self.wfile.write(body if code == 200 else b"")
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+class _Client:
+    def __init__(self, objects: dict[str, bytes]):
+        self.objects = objects
+
+    def batch_exists(self, names):
+        return [n in self.objects for n in names]
+
+    def batch_get_into(self, names, buffers):
+        codes = []
+        for n, b in zip(names, buffers, strict=True):
+            data = self.objects.get(n)
+            if data is None:
+                codes.append(-704)
+            else:
+                b[: len(data)] = data
+                codes.append(len(data))
+        return codes
+
+
+def test_store_view_reads_the_manifests_the_master_lists():
+    from lmcache_mooncake.explain import StoreView
+
+    first = keys.chunk_keys(BF16, TOKENS)[0]
+    damaged = KeyNamespace(**{**NS.__dict__, "chunk_size": 512})
+    objects = {
+        namespaces.store_manifest_name(BF16): namespaces.manifest_bytes(BF16),
+        keys.object_name(BF16, first): b"chunk",
+        namespaces.store_manifest_name(damaged): b"{}",
+    }
+    admin = _Admin([*objects, namespaces.store_manifest_name(NS)])  # listed, then evicted: unreadable
+    try:
+        view = StoreView(_Client(objects), admin.url, "test store")
+        found, problems = view.manifests()
+        assert found == [BF16]
+        assert len(problems) == 2 and all("store object lmcm/" in p for p in problems)
+        report = explain(NS, TOKENS, None, [view])
+        assert [(e.tier, e.chunks_held) for e in report.elsewhere] == [("store", 1)]
+    finally:
+        admin.server.shutdown()
+
+
+def test_store_view_without_the_admin_server_says_how_to_give_it():
+    from lmcache_mooncake.explain import StoreView
+
+    found, problems = StoreView(_Client({}), "http://127.0.0.1:9", "test store").manifests()
+    assert found == [] and "--master-http" in problems[0]
+    assert "--master-http" in StoreView(_Client({}), None, "test store").manifests()[1][0]
