@@ -19,6 +19,7 @@ The report itself (:func:`explain`) works on two small views, one per listable t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import urllib.error
@@ -36,6 +37,9 @@ CPU_NOTE = ("the CPU tier lives in the memory of a running vLLM process and cann
 MASTER_HTTP_PORT = 9003
 #: Largest manifest read back from the store.
 MANIFEST_MAX_BYTES = 64 << 10
+#: Values tried for a field when no manifest explains a miss (chunks written before manifests
+#: existed, or a manifest evicted from the store): the usual causes of a mismatch.
+GUESSES = {"kv_dtype": ("bfloat16", "float16", "float32"), "chunk_size": (256, 128, 512)}
 
 
 class TierView(Protocol):
@@ -130,6 +134,9 @@ class ElsewhereReport:
     fields: dict[str, Any]
     chunks_held: int
     differences: list[dict[str, Any]]
+    #: "manifest": a namespace recorded in the tier; "guess": one of :data:`GUESSES`, tried
+    #: because no manifest explained the miss.
+    source: str = "manifest"
 
     @property
     def summary(self) -> str:
@@ -171,8 +178,9 @@ class Explanation:
                 f"{self.chunks[held - 1].end if held else 0} of {self.prompt_tokens} tokens")
         if self.elsewhere:
             best = self.elsewhere[0]
+            how = "" if best.source == "manifest" else " (found by trying other values; no manifest records it)"
             return (f"{head}. The same tokens are stored in the {best.tier} under namespace "
-                    f"{best.namespace[:16]}...: {best.summary}")
+                    f"{best.namespace[:16]}...{how}: {best.summary}")
         return (f"{head}. No other namespace recorded here holds its first chunk: it was never written, "
                 "was evicted, or was written from other tokens (chat template, cache_salt, tokenizer)")
 
@@ -225,7 +233,9 @@ def explain(namespace: KeyNamespace, tokens: list[int], cache_salt: str | None, 
     For chunks missing from every tier, each namespace recorded in a tier's
     manifests is tried: the prompt's chunk keys are recomputed under it, and
     if that tier holds the first one the namespace is reported with the
-    fields that differ, most chunks first.
+    fields that differ, most chunks first. If no manifest explains the miss,
+    the usual suspects (:data:`GUESSES`: other KV dtypes and chunk sizes) are
+    tried the same way and reported with ``source="guess"``.
     """
     ck = keys.chunk_keys(namespace, tokens, cache_salt, include_partial=include_partial)
     report = Explanation(
@@ -238,24 +248,45 @@ def explain(namespace: KeyNamespace, tokens: list[int], cache_salt: str | None, 
             c.held[view.name] = bool(held)
     if report.held_chunks == len(report.chunks):
         return report
+    recorded: dict[str, list[KeyNamespace]] = {}
     for view in views:
         stored, listing_problems = view.manifests()
         report.problems += listing_problems
-        for other in stored:
-            if other == namespace:
-                continue
-            other_keys = keys.chunk_keys(other, tokens, cache_salt, include_partial=include_partial)
-            held = view.holds(other, other_keys[:1])
-            if not held or not held[0]:
-                continue
-            count = sum(bool(h) for h in view.holds(other, other_keys))
-            report.elsewhere.append(ElsewhereReport(
-                tier=view.name, namespace=other.hex(), fields=asdict(other), chunks_held=count,
-                differences=[{**asdict(d), "description": d.describe()}
-                             for d in namespaces.differences(other, namespace)],
-            ))
+        recorded[view.name] = stored
+        for other in dict.fromkeys(stored):
+            if other != namespace:
+                _try_namespace(report, view, other, namespace, tokens, cache_salt, include_partial, "manifest")
+    if not report.elsewhere:
+        for view in views:
+            for other in _guesses(namespace):
+                if other != namespace and other not in recorded[view.name]:
+                    _try_namespace(report, view, other, namespace, tokens, cache_salt, include_partial, "guess")
     report.elsewhere.sort(key=lambda e: (-e.chunks_held, len(e.differences)))
     return report
+
+
+def _guesses(namespace: KeyNamespace) -> list[KeyNamespace]:
+    """``namespace`` with each combination of :data:`GUESSES` values."""
+    out = []
+    for dtype in GUESSES["kv_dtype"]:
+        for size in GUESSES["chunk_size"]:
+            out.append(dataclasses.replace(namespace, kv_dtype=dtype, chunk_size=size))
+    return out
+
+
+def _try_namespace(report: Explanation, view: TierView, other: KeyNamespace, namespace: KeyNamespace,
+                   tokens: list[int], cache_salt: str | None, include_partial: bool, source: str) -> None:
+    """Add ``other`` to ``report.elsewhere`` if ``view`` holds the prompt's first chunk under it."""
+    other_keys = keys.chunk_keys(other, tokens, cache_salt, include_partial=include_partial)
+    held = view.holds(other, other_keys[:1])
+    if not held or not held[0]:
+        return
+    report.elsewhere.append(ElsewhereReport(
+        tier=view.name, namespace=other.hex(), fields=asdict(other),
+        chunks_held=sum(bool(h) for h in view.holds(other, other_keys)),
+        differences=[{**asdict(d), "description": d.describe()} for d in namespaces.differences(other, namespace)],
+        source=source,
+    ))
 
 
 # -- the command ------------------------------------------------------------------

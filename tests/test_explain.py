@@ -101,7 +101,9 @@ def test_damaged_manifest_is_a_problem_not_a_namespace(tmp_path):
     path = namespaces.disk_manifest_path(tmp_path, BF16)
     path.write_text(path.read_text().replace("bfloat16", "float16"))
     report = explain(NS, TOKENS, None, [DiskView(tmp_path)])
-    assert report.elsewhere == [] and str(path) in report.problems[0]
+    assert str(path) in report.problems[0]
+    # Its chunks are still found, by trying the usual suspects, not by trusting the manifest.
+    assert [(e.source, e.namespace) for e in report.elsewhere] == [("guess", BF16.hex())]
 
 
 def test_partial_chunk_is_left_out_without_save_unfull_chunk(tmp_path):
@@ -239,3 +241,12 @@ def test_store_view_without_the_admin_server_says_how_to_give_it():
     found, problems = StoreView(_Client({}), "http://127.0.0.1:9", "test store").manifests()
     assert found == [] and "--master-http" in problems[0]
     assert "--master-http" in StoreView(_Client({}), None, "test store").manifests()[1][0]
+
+
+def test_without_a_manifest_the_usual_suspects_are_tried(tmp_path):
+    store_chunks(tmp_path, BF16, TOKENS, manifest=False)  # written before manifests existed
+    report = explain(NS, TOKENS, None, [DiskView(tmp_path)])
+    (other,) = report.elsewhere
+    assert (other.source, other.namespace, other.chunks_held) == ("guess", BF16.hex(), 3)
+    assert "no manifest records it" in report.verdict
+    assert "stored with kv dtype bfloat16, this instance uses float32" in report.verdict
