@@ -9,8 +9,10 @@ from __future__ import annotations
 import ast
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -28,13 +30,18 @@ def model() -> Path:
     return build_model(ModelSpec(arch="llama", size="tiny", seed=0))
 
 
-def run_example(argv: list[str], model: Path, tmp_path: Path, timeout: int = 600) -> str:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MODEL": str(model), "TMPDIR": str(tmp_path),
-           "PY": sys.executable}
-    out = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    if out.returncode != 0:  # the shell examples keep their logs when they fail
-        logs = "".join(f"\n--- {p}\n{p.read_text(errors='replace')[-4000:]}" for p in sorted(tmp_path.rglob("*.log")))
-        pytest.fail(f"{argv}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}{logs}")
+def run_example(argv: list[str], model: Path, timeout: int = 600) -> str:
+    # A short temp folder: the connector's lookup socket lives in it, and a Unix socket path has
+    # at most 107 characters (pytest's tmp_path is too long for that).
+    tmp = Path(tempfile.mkdtemp(prefix="lmcm-ex-", dir="/tmp"))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MODEL": str(model), "TMPDIR": str(tmp), "PY": sys.executable}
+    try:
+        out = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        if out.returncode != 0:  # the shell examples keep their logs when they fail
+            logs = "".join(f"\n--- {p}\n{p.read_text(errors='replace')[-4000:]}" for p in sorted(tmp.rglob("*.log")))
+            pytest.fail(f"{argv}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}{logs}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out.stdout
 
 
@@ -49,8 +56,8 @@ def completions(stdout: str) -> dict[str, tuple[int, int, str]]:
 
 
 @pytest.fixture(scope="module")
-def kv_both(model, tmp_path_factory) -> dict[str, tuple[int, int, str]]:
-    return completions(run_example(["bash", "examples/kv_both.sh"], model, tmp_path_factory.mktemp("kv-both")))
+def kv_both(model) -> dict[str, tuple[int, int, str]]:
+    return completions(run_example(["bash", "examples/kv_both.sh"], model))
 
 
 def test_kv_both_server_serves_a_repeat_from_the_connector(kv_both):
@@ -60,16 +67,16 @@ def test_kv_both_server_serves_a_repeat_from_the_connector(kv_both):
     assert again[1] >= prompt - 1 and again[2] == text
 
 
-def test_pd_on_one_host_loads_the_prefill_instances_chunks(model, tmp_path, kv_both):
-    stdout = run_example(["bash", "examples/pd_one_host.sh"], model, tmp_path)
+def test_pd_on_one_host_loads_the_prefill_instances_chunks(model, kv_both):
+    stdout = run_example(["bash", "examples/pd_one_host.sh"], model)
     prompt, cached, text = completions(stdout)["through the proxy"]
     # The decode instance loaded all but the last token and gives the tokens a recompute gave.
     assert prompt == kv_both["first request"][0] and cached >= prompt - 1
     assert text == kv_both["first request"][2]
 
 
-def test_offline_python_api_reloads_from_disk_with_the_same_output(model, tmp_path):
-    stdout = run_example([sys.executable, "examples/offline_kv_both.py", str(model)], model, tmp_path)
+def test_offline_python_api_reloads_from_disk_with_the_same_output(model):
+    stdout = run_example([sys.executable, "examples/offline_kv_both.py", str(model)], model)
     runs = {run: (int(prompt), int(cached), ast.literal_eval(output)) for run, prompt, cached, output in
             re.findall(r"run (\d): (\d+) prompt tokens, (\d+) cached, output (\[.*\])", stdout)}
     assert set(runs) == {"1", "2"}, stdout
@@ -78,8 +85,8 @@ def test_offline_python_api_reloads_from_disk_with_the_same_output(model, tmp_pa
     assert out1 == out2
 
 
-def test_warmup_example_fills_the_store_and_a_second_run_writes_nothing(model, tmp_path):
-    stdout = run_example([sys.executable, "examples/warmup.py", str(model)], model, tmp_path)
+def test_warmup_example_fills_the_store_and_a_second_run_writes_nothing(model):
+    stdout = run_example([sys.executable, "examples/warmup.py", str(model)], model)
     summaries = re.findall(r"wrote (\d+) chunks", stdout)
     assert int(summaries[0]) > 0, stdout
     assert "0 failed, 0 bad" in stdout
