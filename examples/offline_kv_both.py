@@ -7,10 +7,15 @@ LLM computes the prompt and stores its chunks on disk; after it is shut down,
 a second LLM (empty CPU tier) loads them: its output reports cached tokens.
 """
 
+import os
 import sys
 import tempfile
 
-from vllm import LLM, SamplingParams
+# vLLM's CPU build otherwise takes most of the host's memory for its KV cache (21 of 24 GiB here),
+# and the worker is killed when LMCache then allocates its CPU tier. GiB, read when vLLM starts.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+from vllm import LLM, SamplingParams  # noqa: E402 - after the environment it reads
 
 from lmcache_mooncake.testing.models import ModelSpec, build_model
 

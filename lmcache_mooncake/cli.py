@@ -31,6 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "store": ("lmcache_mooncake.store.cli",
               "start, inspect or stop the embedded Mooncake Store (up | status | down)"),
     "check-config": ("lmcache_mooncake.check_config", "validate a configuration file and print it resolved"),
+    "explain": ("lmcache_mooncake.explain", "why a prompt misses: its key namespace, chunk keys and the tiers holding them"),
     "up": ("lmcache_mooncake.stack",
            "the whole local stack: store, prefill and decode vLLM, proxy (--demo: show it working)"),
     "proxy": ("lmcache_mooncake.proxy",

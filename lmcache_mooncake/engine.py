@@ -164,6 +164,7 @@ def build_engine(
     """
     ctx = engine_context(instance_id)
     ctx.set_seal(cfg.seal())
+    ctx.namespace = namespace  # each tier records its manifest on its first write
     extra: dict[str, Any] = {}
     plugins: list[str] = []
     if cfg.disk_path is not None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from lmcache_mooncake import engine, layouts
+from lmcache_mooncake import engine, layouts, namespaces
 from lmcache_mooncake.config import CacheConfig
 from lmcache_mooncake.keys import KeyNamespace
 
@@ -48,6 +48,9 @@ def check_store_then_fresh_engine_loads_bit_exact(tmp_path, kv):
         cpu = writer.storage_manager.storage_backends["LocalCPUBackend"]
         # Nothing but the CPU tier itself holds the chunks once writes are done.
         assert [m.get_ref_count() for m in cpu.hot_cache.values()] == [1, 1, 1]
+        # The disk tier recorded which fields made the namespace, beside its chunks.
+        found, problems = namespaces.list_disk_manifests(tmp_path)
+        assert (found, problems) == ([NS], [])
     finally:
         engine.close_engine(writer, wname)
 

@@ -39,6 +39,8 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from lmcache_mooncake import chunk_format
 from lmcache_mooncake.kv_events import KVEventLog
+from lmcache_mooncake.keys import KeyNamespace
+from lmcache_mooncake.namespaces import ManifestRecorder
 from lmcache_mooncake.stats import Stats
 from lmcache_mooncake.tiers.writes import WriteTracker
 
@@ -95,6 +97,8 @@ class EngineContext:
         self.writers: list[str] = []
         #: How this engine's tiers seal chunks they write and check chunks they read.
         self.seal = chunk_format.CHECKSUM_SEAL
+        #: The engine's namespace, whose manifest each tier records on its first write.
+        self.namespace: KeyNamespace | None = None
 
     def set_seal(self, seal: chunk_format.Seal) -> None:
         """Use ``seal`` for every chunk written and read from now on (before any tier I/O)."""
@@ -138,6 +142,7 @@ class VerifiedTier(RemoteConnector):
                 "settings; it cannot be named in an LMCache configuration on its own"
             ) from None
         self.stats = self.ctx.stats
+        self._manifest = ManifestRecorder(self.PLUGIN_NAME)
 
     @classmethod
     def plugin_extra_config(cls) -> dict[str, Any]:
@@ -160,6 +165,13 @@ class VerifiedTier(RemoteConnector):
 
     def _put_sync(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
         raise NotImplementedError
+
+    def _record_manifest(self, namespace: KeyNamespace) -> bool | None:
+        """Record ``namespace``'s manifest in this tier (:mod:`lmcache_mooncake.namespaces`); False: not stored."""
+
+    def _put_recorded(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
+        self._manifest.record(self.ctx.namespace, self._record_manifest)
+        self._put_sync(keys, memory_objs)
 
     def _allocate(self, header: chunk_format.ChunkHeader, busy_loop: bool = True) -> MemoryObj | None:
         """An LMCache buffer for the chunk ``header`` describes, or None (no memory: a miss)."""
@@ -224,7 +236,7 @@ class VerifiedTier(RemoteConnector):
 
     async def _write(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj], names: Iterable[str]) -> None:
         try:
-            await self.loop.run_in_executor(None, self._put_sync, keys, memory_objs)
+            await self.loop.run_in_executor(None, self._put_recorded, keys, memory_objs)
         except Exception:
             logger.exception("%s: writing %d chunks failed; they will be recomputed when needed",
                              self.PLUGIN_NAME, len(keys))

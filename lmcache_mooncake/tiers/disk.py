@@ -32,7 +32,7 @@ from typing import Any
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 
-from lmcache_mooncake import chunk_format, keys
+from lmcache_mooncake import chunk_format, keys, namespaces
 from lmcache_mooncake.tiers.base import VerifiedTier
 
 logger = logging.getLogger(__name__)
@@ -231,6 +231,9 @@ class DiskTierConnector(VerifiedTier):
     def _put_sync(self, keys_: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
         for key, obj in zip(keys_, memory_objs, strict=True):
             self._put_one(key, obj)
+
+    def _record_manifest(self, namespace: keys.KeyNamespace) -> None:
+        namespaces.write_disk_manifest(self.root, namespace)
 
     def _put_one(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
         path = self._path(key)

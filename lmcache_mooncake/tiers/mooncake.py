@@ -29,7 +29,7 @@ from typing import Any
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 
-from lmcache_mooncake import chunk_format, keys
+from lmcache_mooncake import chunk_format, keys, namespaces
 from lmcache_mooncake.config import MooncakeConfig
 from lmcache_mooncake.store.client import ERR_UNAVAILABLE, NOT_FOUND, StoreClient, StoreEndpoint, describe
 from lmcache_mooncake.tiers.attach import StoreAttachment
@@ -166,6 +166,9 @@ class MooncakeTierConnector(VerifiedTier):
                 logger.warning("Mooncake tier: could not remove damaged chunk %s (%s)", name, describe(code))
 
     # -- writes ------------------------------------------------------------
+    def _record_manifest(self, namespace: keys.KeyNamespace) -> bool:
+        return namespaces.write_store_manifest(self.client, namespace, self.put_timeout)
+
     def _put_sync(self, keys_: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
         names = [object_name(k) for k in keys_]
         parts = [(self._header(k, m), m.tensor) for k, m in zip(keys_, memory_objs, strict=True)]

@@ -112,7 +112,8 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
     return p
 
 
-def _parse_set(items: list[str]) -> dict[str, Any]:
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """``--set KEY=VALUE`` options as config overrides (YAML values; dotted keys are sections)."""
     import yaml
 
     out: dict[str, Any] = {}
@@ -131,7 +132,7 @@ def _parse_set(items: list[str]) -> dict[str, Any]:
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     """``--set`` items, then ``--pin`` / ``--pin-ttl`` as ``mooncake.pin`` / ``mooncake.pin_ttl``."""
-    out = _parse_set(args.set)
+    out = parse_set(args.set)
     if args.pin_ttl is not None and args.pin is None:
         raise WarmupError("--pin-ttl needs --pin soft")
     if args.pin is not None:

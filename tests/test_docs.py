@@ -1,0 +1,126 @@
+"""The docs say what the code does: every configuration key with its type and default, every
+doc linked from the README, every file a doc names present, and the cheap shell commands the
+docs show (``--help``, ``check-config``) run as written."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import MISSING, fields
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lmcache_mooncake import config
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = REPO / "docs"
+CONFIG_DOC = DOCS / "configuration.md"
+#: Docs of this repository that users read (each must be linked from the README).
+USER_DOCS = sorted(p.name for p in DOCS.glob("*.md"))
+
+
+def doc_tables(text: str) -> dict[str, dict[str, dict[str, str]]]:
+    """``{section heading: {key: {column: cell}}}`` for every table whose first column is ``key``."""
+    tables: dict[str, dict[str, dict[str, str]]] = {}
+    heading, header = "", None
+    for line in text.splitlines():
+        if line.startswith("#"):
+            heading, header = line.lstrip("#").strip(), None
+            continue
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if header is None:
+            header = cells
+            continue
+        if set(line) <= set("|-: ") or header[0] != "key":
+            continue
+        tables.setdefault(heading, {})[cells[0].strip("`")] = dict(zip(header, cells, strict=True))
+    return tables
+
+
+def expected_type(cls: type, name: str) -> str:
+    """How the doc writes a field's type."""
+    if name in config._SIZE_KEYS.get(cls.__name__, ()):
+        return "size"
+    t = config._type_name(config._allowed_types(cls, name))
+    return t.replace("integer or number", "number")
+
+
+def doc_default(cls: type, name: str, cell: str) -> object:
+    raw = cell.strip("`")
+    value = yaml.safe_load(raw) if raw != '""' else ""
+    if name in config._SIZE_KEYS.get(cls.__name__, ()) and isinstance(value, str):
+        return config.parse_size(value)
+    return value
+
+
+@pytest.mark.parametrize("cls, heading", [(config.CacheConfig, "Top-level keys"),
+                                          (config.MooncakeConfig, "`mooncake:` keys")])
+def test_configuration_doc_lists_every_key_with_its_type_and_default(cls, heading):
+    table = doc_tables(CONFIG_DOC.read_text())[heading]
+    names = [f.name for f in fields(cls)]
+    assert set(table) - set(names) == set(), f"docs/configuration.md documents keys that do not exist: {heading}"
+    assert set(names) - set(table) == set(), f"docs/configuration.md lacks keys of {cls.__name__}"
+    for f in fields(cls):
+        row = table[f.name]
+        assert row["type"] == expected_type(cls, f.name), f"{f.name}: type"
+        assert f.default is not MISSING
+        assert doc_default(cls, f.name, row["default"]) == f.default, f"{f.name}: default {row['default']}"
+        assert len(row["meaning"]) > 20, f"{f.name}: say what it means"
+
+
+def test_the_doc_table_reader_sees_a_wrong_default():
+    text = CONFIG_DOC.read_text().replace("| `chunk_size` | integer | `256` |", "| `chunk_size` | integer | `128` |")
+    row = doc_tables(text)["Top-level keys"]["chunk_size"]
+    assert doc_default(config.CacheConfig, "chunk_size", row["default"]) != 256
+
+
+def test_every_doc_is_linked_from_the_readme():
+    readme = (REPO / "README.md").read_text()
+    assert [d for d in USER_DOCS if f"docs/{d}" not in readme] == []
+
+
+def test_files_the_docs_name_exist():
+    pattern = re.compile(r"(?<![\w/.])((?:docs|examples|configs|scripts|benchmarks)/[\w./-]*\w)")
+    missing = []
+    for doc in [REPO / "README.md", *sorted(DOCS.glob("*.md"))]:
+        for path in pattern.findall(doc.read_text()):
+            if "<" in path or "*" in path or path.startswith("benchmarks/results"):  # placeholders, outputs
+                continue
+            if not (REPO / path).exists():
+                missing.append(f"{doc.name}: {path}")
+    assert missing == []
+
+
+def cheap_commands() -> list[tuple[str, str]]:
+    """(doc, command) for every ``lmcache-mooncake ... --help`` and ``check-config`` line in a
+    bash block of the README and docs."""
+    out = []
+    for doc in [REPO / "README.md", *sorted(DOCS.glob("*.md"))]:
+        for block in re.findall(r"```bash\n(.*?)```", doc.read_text(), re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                cmd = line.split(" #")[0].strip()
+                if "lmcache-mooncake" in cmd and ("--help" in cmd or " check-config " in cmd):
+                    out.append((doc.name, cmd))
+    return out
+
+
+def test_docs_show_cheap_commands():
+    assert len(cheap_commands()) >= 4
+
+
+@pytest.mark.parametrize("doc, command", cheap_commands())
+def test_cheap_doc_command_runs_as_written(doc, command):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    argv = shlex.split(command)
+    if argv[0].endswith("lmcache-mooncake"):  # the console script of this checkout's code
+        argv = [sys.executable, "-m", "lmcache_mooncake.cli", *argv[1:]]
+    out = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, f"{doc}: {command}\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
