@@ -38,8 +38,8 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from lmcache_mooncake import chunk_format
-from lmcache_mooncake.kv_events import KVEventLog
 from lmcache_mooncake.keys import KeyNamespace
+from lmcache_mooncake.kv_events import KVEventLog
 from lmcache_mooncake.namespaces import ManifestRecorder
 from lmcache_mooncake.stats import Stats
 from lmcache_mooncake.tiers.writes import WriteTracker
