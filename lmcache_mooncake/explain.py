@@ -32,7 +32,7 @@ from lmcache_mooncake import keys, namespaces
 from lmcache_mooncake.keys import KeyNamespace
 
 CPU_NOTE = ("the CPU tier lives in the memory of a running vLLM process and cannot be listed from here; "
-            "its counters are in run_dir/stats-*.json")
+            "its counters are on its /metrics (lmcache-mooncake stats --url URL)")
 #: Default port of mooncake_master's admin HTTP server (its --metrics_port), which lists keys.
 MASTER_HTTP_PORT = 9003
 #: Largest manifest read back from the store.

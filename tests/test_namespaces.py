@@ -1,6 +1,7 @@
 """Namespace manifests: written once, read back only when they hash to their name, and compared."""
 
 import json
+import logging
 
 import pytest
 
@@ -83,7 +84,9 @@ class _Client:
         return [self.code]
 
 
-def test_recorder_writes_once_and_survives_a_failing_tier(caplog):
+def test_recorder_writes_once_and_survives_a_failing_tier(caplog, monkeypatch):
+    # logs.setup_logging (run by any earlier test that built a connector) stops propagation.
+    monkeypatch.setattr(logging.getLogger("lmcache_mooncake"), "propagate", True)
     client = _Client(0)
     rec = namespaces.ManifestRecorder("lmcm_mooncake")
     for _ in range(3):
