@@ -145,12 +145,18 @@ def write_store_manifest(client: Any, namespace: KeyNamespace, timeout_s: float 
     return code == 0
 
 
+class ManifestNotReady(Exception):
+    """Raised by a tier's manifest writer that cannot write yet (no store attached): the
+    recorder tries again on the tier's next write."""
+
+
 class ManifestRecorder:
     """Records a tier's namespace manifest once, on the tier's first write.
 
     ``write`` is the tier's own way to record it (e.g. a call of
     :func:`write_disk_manifest`); an exception or a False result is logged
-    and not retried, since manifests are advisory.
+    and not retried, since manifests are advisory; :class:`ManifestNotReady`
+    (the tier has no store yet) defers it to the next write.
     """
 
     def __init__(self, tier: str):
@@ -168,6 +174,8 @@ class ManifestRecorder:
             try:
                 if write(namespace) is False:
                     raise RuntimeError("the tier refused it")
+            except ManifestNotReady:
+                self._done = False
             except Exception as e:  # noqa: BLE001 - advisory: never fail a chunk write for it
                 logger.warning("%s: could not record the manifest of namespace %s (%s); "
                                "'lmcache-mooncake explain' will not see it", self.tier, namespace.hex(), e)

@@ -102,3 +102,18 @@ def test_recorder_writes_once_and_survives_a_failing_tier(caplog, monkeypatch):
 
     namespaces.ManifestRecorder("lmcm_disk").record(NS, broken)
     assert "disk full" in caplog.text
+
+
+def test_recorder_defers_while_the_tier_is_not_ready():
+    calls = []
+
+    def not_yet(ns):
+        calls.append(ns)
+        if len(calls) == 1:
+            raise namespaces.ManifestNotReady
+        return True
+
+    rec = namespaces.ManifestRecorder("lmcm_mooncake")
+    for _ in range(3):
+        rec.record(NS, not_yet)
+    assert len(calls) == 2  # deferred once, then written once

@@ -167,7 +167,10 @@ class MooncakeTierConnector(VerifiedTier):
 
     # -- writes ------------------------------------------------------------
     def _record_manifest(self, namespace: keys.KeyNamespace) -> bool:
-        return namespaces.write_store_manifest(self.client, namespace, self.put_timeout)
+        client = self.attachment.client()
+        if client is None:  # no store attached yet: recorded with a later write
+            raise namespaces.ManifestNotReady
+        return namespaces.write_store_manifest(client, namespace, self.put_timeout)
 
     def _put_sync(self, keys_: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
         names = [object_name(k) for k in keys_]
