@@ -39,11 +39,6 @@ BEFORE = rand_prompts(21, [520, 300])
 AFTER = rand_prompts(22, [600])
 
 
-def counters(run_dir: Path) -> dict[str, int]:
-    """The connector's internal counters, as its processes last wrote them under ``run_dir``
-    (offline and served runs alike; served instances also publish them on /metrics)."""
-    return read_dumps(run_dir)
-
 
 @pytest.fixture(scope="module")
 def model() -> Path:
@@ -82,7 +77,7 @@ def serve_without_then_with_store(model, baseline, tmp_path: Path, mooncake: dic
             assert r.ttft_s < TIMEOUT + 3.0, r.ttft_s  # no store call waited past its timeout
         time.sleep(0.6)  # counters are written at most every 0.5 s, at a step
         inst.run(rand_prompts(30, [40]))
-        before = counters(run_dir)
+        before = read_dumps(run_dir)
         assert before.get("store_puts", 0) == 0
         store_dir = start()
         try:
@@ -90,7 +85,7 @@ def serve_without_then_with_store(model, baseline, tmp_path: Path, mooncake: dic
             # The tier attaches by itself (with back-off); small requests give it steps.
             deadline, seed = time.monotonic() + 60, 31
             while True:
-                c = counters(run_dir)
+                c = read_dumps(run_dir)
                 if c.get("store_client_attached") and c.get("store_client_reconnects", 0) > 0:
                     break
                 assert time.monotonic() < deadline, f"the tier did not attach: {c}"
@@ -107,7 +102,7 @@ def serve_without_then_with_store(model, baseline, tmp_path: Path, mooncake: dic
             inst.stop()
         finally:
             stop_store(store_dir)
-    after = counters(run_dir)
+    after = read_dumps(run_dir)
     assert after["store_puts"] >= len(names)
     log = inst.log_path.read_text()
     assert log.count(WARNING) == 1, "expected exactly one 'store missing' warning"

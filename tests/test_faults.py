@@ -55,11 +55,6 @@ NAMES = ["warm", "paused_a", "paused_b", "resumed", "storage_a", "storage_b", "s
 P = {name: [_rng.randrange(16, 2000) for _ in range(600)] for name in NAMES}
 
 
-def counters(run_dir: Path) -> dict[str, int]:
-    """The connector's internal counters, as its processes last wrote them under ``run_dir``
-    (offline and served runs alike; served instances also publish them on /metrics)."""
-    return read_dumps(run_dir)
-
 
 @pytest.fixture(scope="module")
 def model() -> Path:
@@ -121,7 +116,7 @@ class Faulty:
         """Counters after a fresh step (they are written at most every 0.5 s, at a step)."""
         time.sleep(0.6)
         self.tick()
-        return counters(self.run_dir)
+        return read_dumps(self.run_dir)
 
     def tick(self) -> None:
         """A small request of its own, so the engine takes a step."""
@@ -151,7 +146,7 @@ class Faulty:
     def wait_reconnected(self, before: int, timeout_s: float = 90.0) -> float:
         """Seconds until the instance's store client reconnected (its counter passed ``before``)."""
         t0 = time.monotonic()
-        while counters(self.run_dir).get("store_client_reconnects", 0) <= before:
+        while read_dumps(self.run_dir).get("store_client_reconnects", 0) <= before:
             assert time.monotonic() - t0 < timeout_s, "the store client did not reconnect"
             self.tick()
             time.sleep(0.3)

@@ -43,11 +43,6 @@ MiB = 1 << 20
 CPU_CAP, DISK_CAP, STORE_CAP = 24 * MiB, 32 * MiB, 32 * MiB
 
 
-def counters(run_dir: Path) -> dict[str, int]:
-    """The connector's internal counters, as its processes last wrote them under ``run_dir``
-    (offline and served runs alike; served instances also publish them on /metrics)."""
-    return read_dumps(run_dir)
-
 
 class Load:
     """16 client threads: half the prompts share one of four 512-token prefixes, half are unique."""
@@ -132,14 +127,14 @@ def soak(request, tmp_path_factory) -> dict:
         loader.start()
         warm_at = None
         while loader.is_alive():
-            c = counters(run_dir)
+            c = read_dumps(run_dir)
             if warm_at is None and c.get("store_bytes_written", 0) > 2 * max(CPU_CAP, DISK_CAP, STORE_CAP):
                 warm_at = time.monotonic()
             time.sleep(1.0)
         stop.set()
         sampler.join()
         assert not load.errors, load.errors[:3]
-        assert warm_at is not None, f"the tiers did not fill within the load: {counters(run_dir)}"
+        assert warm_at is not None, f"the tiers did not fill within the load: {read_dumps(run_dir)}"
         assert warm_at - t0 < 0.25 * minutes * 60, "the tiers took more than a quarter of the load to fill"
         # Warm-up also covers a quarter of the load: first-time allocations (vLLM's KV
         # blocks touched for the first time, code paths run once) are not growth.
@@ -172,7 +167,7 @@ def soak(request, tmp_path_factory) -> dict:
             time.sleep(1.0)
             http.post("/v1/completions", json={"model": str(model), "prompt": [5] * 8, "max_tokens": 1})
         time.sleep(1.0)
-        c = counters(run_dir)
+        c = read_dumps(run_dir)
         print(f"soak: CPU tier {c.get('cpu_tier_chunks', 0)} chunks, {c.get('cpu_tier_pinned_chunks', 0)} pinned;"
               f" store hits {c.get('store_hits', 0)}, disk hits {c.get('disk_hits', 0)},"
               f" disk evictions {c.get('disk_evictions', 0)}")

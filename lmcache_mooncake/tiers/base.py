@@ -59,17 +59,15 @@ class HeaderCache:
         self._lock = threading.Lock()
         self._items: OrderedDict[tuple[str, int, int], bytes] = OrderedDict()
         self._capacity = capacity
-        #: How headers are sealed; set with the engine's tiers (``EngineContext.set_seal``).
-        self.seal = chunk_format.CHECKSUM_SEAL
 
-    def header(self, key: str, tensor: torch.Tensor) -> bytes:
+    def header(self, key: str, tensor: torch.Tensor, seal: chunk_format.Seal) -> bytes:
         ident = (key, tensor.data_ptr(), tensor.numel() * tensor.element_size())
         with self._lock:
             found = self._items.get(ident)
             if found is not None:
                 self._items.move_to_end(ident)
                 return found
-        header = chunk_format.encode_header(key, tensor, self.seal)
+        header = chunk_format.encode_header(key, tensor, seal)
         with self._lock:
             self._items[ident] = header
             while len(self._items) > self._capacity:
@@ -103,7 +101,6 @@ class EngineContext:
     def set_seal(self, seal: chunk_format.Seal) -> None:
         """Use ``seal`` for every chunk written and read from now on (before any tier I/O)."""
         self.seal = seal
-        self.headers.seal = seal
 
 
 _CONTEXTS: dict[str, EngineContext] = {}
@@ -184,7 +181,7 @@ class VerifiedTier(RemoteConnector):
 
     def _header(self, key: CacheEngineKey, memory_obj: MemoryObj) -> bytes:
         """The chunk's header, hashed once for all tiers that write it."""
-        return self.ctx.headers.header(key.to_string(), memory_obj.tensor)
+        return self.ctx.headers.header(key.to_string(), memory_obj.tensor, self.ctx.seal)
 
     def _done_with_header(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
         if self.ctx.writers and self.ctx.writers[-1] == self.PLUGIN_NAME:
