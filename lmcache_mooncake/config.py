@@ -153,6 +153,9 @@ class CacheConfig:
     #: Load cached KV in the background (vLLM's asynchronous loading): other
     #: requests keep running while a long prompt's chunks arrive.
     async_loading: bool = True
+    #: Worker: seconds between handing freed heap memory back to the OS
+    #: (glibc ``malloc_trim``; see :mod:`lmcache_mooncake.heap`). ``0``: never.
+    heap_trim_interval: float = 5.0
     #: File holding a shared secret (at least 16 bytes, e.g. ``openssl rand -hex 32``):
     #: every chunk then carries a keyed MAC (BLAKE3) instead of a bare checksum,
     #: and a chunk written without this secret, or with another, is a miss.
@@ -195,6 +198,8 @@ class CacheConfig:
             )
         if self.load_wait_timeout < 0:
             raise ConfigError(f"load_wait_timeout: {self.load_wait_timeout} must be 0 or more seconds")
+        if not self.heap_trim_interval >= 0:
+            raise ConfigError(f"heap_trim_interval: {self.heap_trim_interval} must be 0 (never) or more seconds")
         if self.lookup_timeout <= 0:
             raise ConfigError(f"lookup_timeout: {self.lookup_timeout} must be above 0 seconds")
         if self.chunk_auth_key_file is not None:

@@ -20,6 +20,7 @@ from lmcache_mooncake.config import CacheConfig
 from lmcache_mooncake.connector.lookup import LookupServer
 from lmcache_mooncake.connector.metadata import LoadOp, SaveOp, StepMetadata
 from lmcache_mooncake.engine import build_engine, close_engine, context, request_configs, write_barrier
+from lmcache_mooncake.heap import HeapTrimmer
 from lmcache_mooncake.keys import KeyNamespace, namespace_for
 from lmcache_mooncake.kv_events import KVEventLog
 from lmcache_mooncake.stats import Stats
@@ -61,6 +62,7 @@ class WorkerSide:
         self.namespace: KeyNamespace | None = None
         self.lookup_server: LookupServer | None = None
         self._failed_blocks: set[int] = set()
+        self.heap = HeapTrimmer(cfg.heap_trim_interval)
         # Asynchronous loads in flight, by request; one loader thread.
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="lmcm-load")
         self._loading: dict[str, tuple[Future, LoadOp]] = {}
@@ -271,6 +273,7 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         self._loader.shutdown(wait=True)
+        self.heap.close()
         if self.lookup_server is not None:
             self.lookup_server.close()
             self.lookup_server = None
