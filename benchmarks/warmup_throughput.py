@@ -18,8 +18,9 @@ file, and times two fresh vLLM processes on them, one after the other:
 Both are timed the same way: from sending the first batch to the last result
 (the warm-up: to every chunk verified in the store), less the vLLM start-up,
 which is estimated from the first batch (its wall time minus its requests'
-own time). ``offline.Instance`` runs a batch's requests one at a time, in
-both runs. The prompts share no prefix, so every token is computed in both.
+own time). Both hand vLLM each batch as one ``generate`` call, which vLLM
+schedules together (``RunSpec.batched``), as warm-up does.
+The prompts share no prefix, so every token is computed in both.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def _on_signal(signum: int, _frame: Any) -> None:
 def plain_prefill(model: str, prompts: list[list[int]], batch_size: int, dtype: str, max_model_len: int,
                   work: Path) -> dict[str, float]:
     spec = RunSpec(model=model, prompts=[], kv_role=None, max_tokens=1, dtype=dtype, max_model_len=max_model_len,
-                   kv_cache_gib=2, prefix_caching=True)
+                   kv_cache_gib=2, prefix_caching=True, batched=True)
     t_all = time.monotonic()
     startup = busy = 0.0
     t_first = None

@@ -349,3 +349,17 @@ def test_warmup_names_equal_the_workers_names(monkeypatch, tmp_path, s, data):
     # Tensor parallel size 1 (what the warm-up command writes) is the default.
     if s["tp_size"] == 1:
         assert key_namespace(info, cfg) == ns
+
+
+def test_batches_keep_inputs_that_share_a_chunk_apart():
+    from lmcache_mooncake.warmup.producer import batches
+    from lmcache_mooncake.warmup.summary import WarmupInput
+
+    def inp(line: int, *names: str) -> WarmupInput:
+        return WarmupInput(source="f.jsonl", line=line, kind="prompt", token_ids=[1], names=list(names))
+
+    a, b, c, d, e = inp(1, "p", "a"), inp(2, "p", "b"), inp(3, "c"), inp(4, "p", "d"), inp(5, "e")
+    got = [[i.line for i in batch] for batch in batches([a, b, c, d, e], 3)]
+    assert got == [[1, 3, 5], [2], [4]]  # 2 and 4 share chunk "p" with 1, and with each other
+    assert [[i.line for i in batch] for batch in batches([c, e, a], 2)] == [[3, 5], [1]]
+    assert batches([], 4) == []

@@ -24,7 +24,9 @@ What it does, in order:
    missing (a second run of the same inputs writes nothing and says so).
 3. **Starts one vLLM producer** (``kv_role: kv_producer``, ``max_tokens=1``) in
    a child process (:class:`lmcache_mooncake.testing.offline.Instance`) and sends it
-   the remaining inputs, ``batch_size`` at a time. The producer holds each
+   the remaining inputs, ``batch_size`` at a time, each batch as one
+   ``generate`` call that vLLM schedules together (so one request's chunks
+   are written while the next ones compute). The producer holds each
    request until its chunks are written to every tier.
 4. **Verifies durability**: after the producer has exited, every expected
    object name must exist in the store (polled up to ``verify_timeout_s``). An

@@ -94,7 +94,7 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
                    "are skipped and keep their pin state")
     p.add_argument("--pin-ttl", type=float, default=None, metavar="SECONDS",
                    help="how long a soft pin lasts (default 1800; the master caps it at 24 h)")
-    p.add_argument("--batch-size", type=int, default=16, help="inputs handed to vLLM at a time (default 16)")
+    p.add_argument("--batch-size", type=int, default=16, help="inputs handed to vLLM at a time, scheduled together (default 16)")
     p.add_argument("--kv-cache-gib", type=int, default=2,
                    help="vLLM CPU build: GiB of KV cache for the producer (default 2)")
     p.add_argument("--batch-timeout", type=float, default=900.0,

@@ -39,6 +39,28 @@ class ProducerSettings:
     progress: bool = True
 
 
+def batches(pending: list[WarmupInput], batch_size: int) -> list[list[WarmupInput]]:
+    """``pending`` in batches of at most ``batch_size`` that vLLM schedules together, in order,
+    except that an input sharing a chunk with one already in the batch waits for a later batch:
+    computed together, both would write the shared chunks; one batch later, vLLM's prefix cache
+    in the producer holds them and only the new chunks are written."""
+    out: list[list[WarmupInput]] = []
+    left = list(pending)
+    while left:
+        batch: list[WarmupInput] = []
+        names: set[str] = set()
+        later: list[WarmupInput] = []
+        for i in left:
+            if len(batch) < batch_size and names.isdisjoint(i.names):
+                batch.append(i)
+                names.update(i.names)
+            else:
+                later.append(i)
+        out.append(batch)
+        left = later
+    return out
+
+
 def produce(summary: WarmupSummary, pending: list[WarmupInput], client: StoreClient,
             settings: ProducerSettings) -> None:
     """Run ``pending`` through one vLLM producer, then check every chunk is in the store.
@@ -59,7 +81,7 @@ def produce(summary: WarmupSummary, pending: list[WarmupInput], client: StoreCli
     spec = RunSpec(
         model=settings.model, prompts=[], kv_role="kv_producer", extra_config=extra, max_tokens=1,
         dtype=info.dtype, max_model_len=info.max_model_len, kv_cache_gib=settings.kv_cache_gib,
-        prefix_caching=True, timeout_s=settings.batch_timeout_s,
+        prefix_caching=True, timeout_s=settings.batch_timeout_s, batched=True,
         # Our quiet import settings must not reach the vLLM log.
         env={"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"),
              "LMCACHE_LOG_LEVEL": os.environ.get("LMCACHE_LOG_LEVEL", "INFO")},
@@ -78,8 +100,7 @@ def produce(summary: WarmupSummary, pending: list[WarmupInput], client: StoreCli
     try:
         with Instance(spec, work / "vllm") as inst:
             try:
-                for b in range(0, len(pending), batch_size):
-                    batch = pending[b : b + batch_size]
+                for batch in batches(pending, batch_size):
                     t0 = time.monotonic()
                     results = inst.run([i.token_ids for i in batch], [i.cache_salt for i in batch])
                     t1 = time.monotonic()
