@@ -2,7 +2,8 @@
 ``lmcache-mooncake stats`` against it, and the namespace line in its log.
 
 One kv_both server (vLLM's own prefix cache off, so a repeat is served by our
-tiers) with a real store and vLLM's ZMQ KV-event publisher on loopback.
+tiers) with a real store and vLLM's ZMQ KV-event publisher on loopback, and a
+``run_dir`` deeper than a Unix socket path may be.
 """
 
 from __future__ import annotations
@@ -92,7 +93,10 @@ class Subscriber:
 @pytest.fixture(scope="module")
 def server(model, work, store):
     port, events_port = free_port(), free_port()
-    overrides = {"run_dir": str(work / "run"), "local_disk": str(work / "disk"),
+    # A run_dir too deep for a Unix socket path (107 bytes): the lookup socket must not live in it.
+    run_dir = work / "a-run-folder-deeper-than-a-unix-socket-path" / "may-be-long-for-the-lookup-socket-in-it"
+    assert len(str(run_dir / "lookup-0123456789ab.sock").encode()) > 107
+    overrides = {"run_dir": str(run_dir), "local_disk": str(work / "disk"),
                  "mooncake": {"store_dir": str(store), "timeout": 2.0}}
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{events_port}"}
     args = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "4096", "--no-enable-prefix-caching",
@@ -158,6 +162,20 @@ def test_metrics_endpoint_counts_a_cached_request(two_requests):
     assert after.count("vllm:lmcm_verify_failures") == 0 and after.count("vllm:lmcm_store_errors") == 0
 
 
+def test_vllm_counts_the_loaded_tokens_under_the_tier_that_served_them(two_requests):
+    _, _, between, _, after = two_requests
+
+    def by_source(m):
+        return m.labels("vllm:prompt_tokens_cached_by_source", "source")
+
+    grew = {k: int(v - between.value("vllm:prompt_tokens_cached_by_source", source=k))
+            for k, v in by_source(after).items()}
+    # The repeat was served from the CPU tier: vLLM counts it as "host". Without our
+    # get_external_cache_hit_sources vLLM files it all under "external_unspecified".
+    assert grew == {"device": 0, "host": len(PROMPT) - 1, "p2p": 0, "disk": 0, "external_unspecified": 0}
+    assert sum(grew.values()) == after.count("vllm:external_prefix_cache_hits") == len(PROMPT) - 1
+
+
 def test_kv_events_name_the_stored_chunks(server, two_requests, model):
     _, sub = server
     want = [k.digest for k in keys.chunk_keys(namespace(model), PROMPT)]
@@ -182,6 +200,7 @@ def test_stats_command_reads_the_instance_and_the_store(server, two_requests, st
     rep = json.loads(out.stdout)
     (inst,) = rep["instances"].values()
     assert inst["loaded_tokens"] == len(PROMPT) - 1 and inst["tiers"]["store"]["chunks_written"] == 3
+    assert inst["cached_tokens_by_source"] == {"host": len(PROMPT) - 1}
     assert rep["store"]["keys"] >= 3 and 0 < rep["store"]["used_bytes"] <= rep["store"]["capacity_bytes"]
     table = subprocess.run([sys.executable, "-m", "lmcache_mooncake.cli", "stats", "--url", srv.url, "--no-store"],
                            capture_output=True, text=True, timeout=60)
