@@ -95,3 +95,34 @@ def test_hit_sources_cases(tmp_path, runs, local, want):
 def test_hit_sources_of_an_unknown_request_are_unspecified(tmp_path):
     side = SchedulerSide(CacheConfig(), 128, FixedLookup(), save=True, load=True, stats_path=tmp_path / "s.json")
     assert side.hit_sources(request("never-looked-up", 600), 100) == {OTHER: 100}
+
+
+def test_a_second_lookup_keeps_the_tier_the_first_found_a_chunk_in(tmp_path):
+    # First lookup: chunk 0 in the CPU tier, chunks 1-2 on disk (the lookup promotes them).
+    lookup = FixedLookup([("cpu", 256), ("disk", -1)])
+    side = SchedulerSide(CacheConfig(), 128, lookup, save=True, load=True, stats_path=tmp_path / "s.json")
+    req = request("r", 600)
+    side.get_num_new_matched_tokens(req, 0)
+    # vLLM could not schedule it and asks again: now all of it is in the CPU tier.
+    lookup.runs = [("cpu", -1)]
+    new, _ = side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5],)), new)
+    assert side.hit_sources(req, new) == {HOST: 256, DISK: 343}
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "want"),
+    [
+        ([], [("cpu", 600)], [("cpu", 600)]),
+        ([("disk", 600)], [("cpu", 600)], [("disk", 600)]),
+        ([("cpu", 256), ("disk", 600)], [("cpu", 600)], [("cpu", 256), ("disk", 600)]),
+        ([("disk", 600)], [("cpu", 256)], [("disk", 256)]),  # the hit shrank: only its extent
+        ([("cpu", 256)], [("cpu", 256), ("store", 600)], [("cpu", 256), ("store", 600)]),
+        ([("disk", 600)], [], []),  # the latest lookup found nothing
+        ([("odd", 300)], [("disk", 600)], [("odd", 300), ("disk", 600)]),  # unknown: the slowest
+    ],
+)
+def test_outermost_runs(old, new, want):
+    from lmcache_mooncake.connector.scheduler import outermost_runs
+
+    assert outermost_runs(old, new) == want

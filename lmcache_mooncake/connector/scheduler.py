@@ -41,6 +41,36 @@ PARAMS_KEY = "lmcache_mooncake"
 #: remote store under ``external_unspecified`` (its ``CacheHitSource`` docs).
 HIT_SOURCES = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK,
                "store": CacheHitSource.EXTERNAL_UNSPECIFIED}
+#: Our tiers from the fastest; a tier we do not know counts as the slowest.
+_TIER_ORDER = {"cpu": 0, "disk": 1, "store": 2}
+
+
+def outermost_runs(old: list[tuple[str, int]], new: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """An earlier and the latest lookup's ``(tier, end)`` runs of one request, merged over
+    the latest one's extent: each token keeps the slower of the tiers the two found it
+    in. A chunk moves to a faster tier only because someone read it (a disk lookup
+    verifies a chunk into the CPU tier), so the slower tier is where this request's
+    lookups first found it."""
+    def tier_at(runs: list[tuple[str, int]], pos: int) -> str | None:
+        return next((tier for tier, end in runs if pos < end), None)
+
+    def rank(tier: str | None) -> int:
+        return -1 if tier is None else _TIER_ORDER.get(tier, len(_TIER_ORDER))
+
+    out: list[tuple[str, int]] = []
+    start, extent = 0, max((e for _, e in new), default=0)
+    for end in sorted({min(e, extent) for _, e in old} | {e for _, e in new}):
+        if end <= start:
+            continue
+        tier = max(tier_at(old, start), tier_at(new, start), key=rank)
+        if tier is None:
+            break  # neither lookup found this far: runs stay a prefix
+        if out and out[-1][0] == tier:
+            out[-1] = (tier, end)
+        else:
+            out.append((tier, end))
+        start = end
+    return out
 
 
 @dataclass
@@ -52,7 +82,8 @@ class _Request:
     lora: str | None
     #: Prompt tokens the tiers hold (chunk-aligned, or the whole prompt).
     external_hit: int = 0
-    #: Where they are: (tier, end) runs over [0, external_hit) (LookupReply.runs).
+    #: Where they are: (tier, end) runs over [0, external_hit) (LookupReply.runs; over
+    #: several lookups of the request, the slowest tier each token was found in).
     hit_runs: list[tuple[str, int]] = field(default_factory=list)
     #: Tokens vLLM's own prefix cache supplied (where a load starts). vLLM sets
     #: request.num_computed_tokens only after update_state_after_alloc.
@@ -139,7 +170,9 @@ class SchedulerSide:
             self.stats.add("consumer_requests")
             self.stats.observe("consumer_wait_s", now - (rec.waiting_since or now))
         rec.external_hit, rec.local_computed, rec.looked_up = hit, num_computed_tokens, True
-        rec.hit_runs = list(reply.runs)
+        # Asked again (vLLM could not schedule it yet, or a consumer waits): a chunk the
+        # earlier lookup promoted from disk was still found on disk for this request.
+        rec.hit_runs = outermost_runs(rec.hit_runs, list(reply.runs))
         if not self.load_enabled:
             return 0, False
         # vLLM must compute at least one prompt token to sample the next one.
