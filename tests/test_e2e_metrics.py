@@ -2,8 +2,8 @@
 ``lmcache-mooncake stats`` against it, and the namespace line in its log.
 
 One kv_both server (vLLM's own prefix cache off, so a repeat is served by our
-tiers) with a real store and vLLM's ZMQ KV-event publisher on loopback, and a
-``run_dir`` deeper than a Unix socket path may be.
+tiers) with a real store and vLLM's ZMQ KV-event publisher on loopback, a CPU
+tier that holds one prompt, and a ``run_dir`` deeper than a Unix socket path may be.
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ from lmcache_mooncake.testing.offline import vllm_env
 pytestmark = pytest.mark.e2e
 CHUNK = 256
 PROMPT = [random.Random(3).randrange(16, 2000) for _ in range(700)]  # 2 full chunks and a partial one
+OTHER = [random.Random(4).randrange(16, 2000) for _ in range(700)]
+#: The CPU tier holds one prompt's chunks (1 MiB a full chunk here): OTHER evicts PROMPT's.
+CPU_CAP = 3 << 20
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +99,7 @@ def server(model, work, store):
     # A run_dir too deep for a Unix socket path (107 bytes): the lookup socket must not live in it.
     run_dir = work / "a-run-folder-deeper-than-a-unix-socket-path" / "may-be-long-for-the-lookup-socket-in-it"
     assert len(str(run_dir / "lookup-0123456789ab.sock").encode()) > 107
-    overrides = {"run_dir": str(run_dir), "local_disk": str(work / "disk"),
+    overrides = {"run_dir": str(run_dir), "local_disk": str(work / "disk"), "max_local_cpu_size": CPU_CAP / 2**30,
                  "mooncake": {"store_dir": str(store), "timeout": 2.0}}
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{events_port}"}
     args = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "4096", "--no-enable-prefix-caching",
@@ -221,3 +224,19 @@ def test_log_has_namespace_and_transfer_metrics(server, two_requests, model):
     assert f"key namespace {ns.hex()} = model {str(model)!r}, KV dtype float32, 4 layers, 2 KV heads" in log
     line = next(x for x in log.splitlines() if "KV Transfer metrics" in x)
     assert "loaded_tokens=" in line or "saved_tokens=" in line, line
+
+
+# Last in the file: it changes the counters the tests above read.
+def test_a_repeat_evicted_from_the_cpu_tier_counts_as_disk(server, model, two_requests):
+    srv, _ = server
+    _, (text1, _), _, _, _ = two_requests
+    complete(srv.url, model, OTHER)  # computed and saved; PROMPT's chunks leave the CPU tier
+    before = fetch(srv.url)
+    text, cached = complete(srv.url, model, PROMPT)
+    after = fetch(srv.url)
+    grew = {k: int(v - before.value("vllm:prompt_tokens_cached_by_source", source=k))
+            for k, v in after.labels("vllm:prompt_tokens_cached_by_source", "source").items()}
+    # Found on disk (not in the CPU tier, and the disk is asked before the store), loaded, same answer.
+    assert after.count("vllm:lmcm_chunk_hits", tier="disk") - before.count("vllm:lmcm_chunk_hits", tier="disk") == 3
+    assert text == text1 and cached == len(PROMPT) - 1
+    assert grew == {"device": 0, "host": 0, "p2p": 0, "disk": len(PROMPT) - 1, "external_unspecified": 0}
