@@ -38,7 +38,7 @@ from lmcache_mooncake import layouts
 from lmcache_mooncake.config import CacheConfig, MooncakeConfig
 from lmcache_mooncake.keys import KeyNamespace, chunk_keys
 from lmcache_mooncake.store.client import StoreEndpoint
-from lmcache_mooncake.tiers import disk
+from lmcache_mooncake.tiers import disk, mooncake
 from lmcache_mooncake.tiers.base import EngineContext, engine_context, release_context
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,54 @@ LORA = "lmcm.lora"
 def request_configs(cache_salt: str | None, lora: str | None) -> dict[str, Any]:
     """What store/retrieve/lookup need to derive a request's keys."""
     return {SALT: cache_salt, LORA: lora}
+
+
+#: LMCache's names of the tiers :func:`build_engine` sets up -> our tier names
+#: (the ``tier`` label of our metrics, and :func:`lookup_tiers`' runs).
+TIER_NAMES = {
+    "LocalCPUBackend": "cpu",
+    f"RemoteBackend-{disk.PLUGIN_NAME}": "disk",
+    f"RemoteBackend-{mooncake.PLUGIN_NAME}": "store",
+}
+
+#: One run of a lookup's hit: the tier that holds every chunk up to ``end`` (a token
+#: count) from the previous run's end (or 0).
+TierRun = tuple[str, int]
+
+
+def lookup_tiers(engine: LMCacheEngine, tokens: list[int], request_configs: dict[str, Any]) -> tuple[int, list[TierRun]]:
+    """``engine.lookup`` that also says which tier answered for each hit chunk.
+
+    Returns ``(hit, runs)``: ``hit`` as ``engine.lookup`` counts it (tokens of the
+    cached prefix), and ``runs`` of :data:`TierRun` covering ``[0, hit)`` in order,
+    each naming the tier (:data:`TIER_NAMES`, else LMCache's own name) that held
+    those chunks when asked. A tier that verifies a chunk at lookup (disk) keeps
+    it in the CPU tier afterwards; the run still names the tier it was found in.
+    Like ``engine.lookup`` it pins nothing and reports to LMCache's stats monitor.
+    """
+    if engine.use_layerwise:  # layer-wise keys are looked up per layer; not used by build_engine
+        return engine.lookup(tokens=tokens, request_configs=request_configs), []
+    if not engine.is_healthy():
+        logger.warning("LMCache is unhealthy, skipping lookup operation")
+        return 0, []
+    monitor = engine.stats_monitor.on_lookup_request(len(tokens))
+    hit = 0
+    try:
+        chunks = list(engine.token_database.process_tokens(tokens=tokens, request_configs=request_configs))
+        found, by_backend = engine.storage_manager.batched_contains(
+            [key for _, _, key in chunks], engine.retrieve_locations, False
+        )
+        runs: list[TierRun] = []
+        done = 0
+        # batched_contains asks the tiers in order, each for the chunks past the
+        # previous ones' hits, so its mapping is the prefix in order, tier by tier.
+        for backend, held in by_backend.items():
+            done += len(held)
+            runs.append((TIER_NAMES.get(backend, backend), chunks[done - 1][1]))
+        hit = chunks[found - 1][1] if found else 0
+        return hit, runs
+    finally:
+        engine.stats_monitor.on_lookup_finished(monitor, hit)
 
 
 class ChunkKeyDatabase(TokenDatabase):
@@ -174,8 +222,6 @@ def build_engine(
         )
         extra.update(disk.DiskTierConnector.plugin_extra_config())
     if cfg.mooncake is not None:
-        from lmcache_mooncake.tiers import mooncake
-
         plugins.append(mooncake.PLUGIN_NAME)
         ctx.tier_settings[mooncake.PLUGIN_NAME] = mooncake.MooncakeTierSettings(
             cfg.mooncake, functools.partial(store_endpoint, cfg.mooncake)

@@ -4,9 +4,10 @@ Reads each vLLM instance's ``/metrics`` (our ``vllm:lmcm_*`` metrics and vLLM's
 external prefix-cache counters, :mod:`lmcache_mooncake.metrics_client`) and,
 when the embedded store runs (its state folder), the Mooncake master's
 metrics port (capacity, use, keys). Prints, per instance: the external hit
-rate, hits and bytes per tier, tokens loaded and saved, and the largest
-failure counts; ``--json`` prints the same as JSON; ``--watch N`` refreshes
-every N seconds until Ctrl-C.
+rate, hits and bytes per tier, tokens loaded and saved, cached prompt tokens
+by the tier that supplied them (vLLM's ``vllm:prompt_tokens_cached_by_source``),
+and the largest failure counts; ``--json`` prints the same as JSON;
+``--watch N`` refreshes every N seconds until Ctrl-C.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def instance_report(m: MetricsSnapshot) -> dict[str, Any]:
             for value, n in m.labels(PREFIX + name, label).items():
                 failures[f"{name}{{{label}={value}}}"] = int(n)
     queries, hits = m.value("vllm:external_prefix_cache_queries"), m.value("vllm:external_prefix_cache_hits")
+    by_source = m.labels("vllm:prompt_tokens_cached_by_source", "source")
     return {
         "lookups": c("lookups"),
         "external_hit_rate": _ratio(hits, queries),
@@ -79,6 +81,8 @@ def instance_report(m: MetricsSnapshot) -> dict[str, Any]:
         "loaded_tokens": c("loaded_tokens"),
         "saved_tokens": c("saved_tokens"),
         "load_seconds_avg": _ratio(m.value(PREFIX + "load_seconds_sum"), m.value(PREFIX + "load_seconds_count")),
+        # device: vLLM's own prefix cache; host, disk: our CPU and disk tiers; external_unspecified: the store.
+        "cached_tokens_by_source": {k: int(v) for k, v in sorted(by_source.items()) if v},
         "tiers": tiers,
         "failures": dict(sorted(((k, v) for k, v in failures.items() if v), key=lambda kv: -kv[1])),
     }
@@ -122,6 +126,7 @@ def render(rep: dict[str, Any]) -> str:
     lines = [f"{'instance':<34} {'hit rate':>8} {'lookups':>8} {'loaded tok':>10} {'saved tok':>10} "
              f"{'disk hits':>9} {'store hits':>10} {'store hit%':>10} {'read':>10} {'written':>10}"]
     failures: list[str] = []
+    sources: list[str] = []
     for url, r in rep["instances"].items():
         name = url.removesuffix("/metrics").removeprefix("http://")
         if "error" in r:
@@ -134,6 +139,12 @@ def render(rep: dict[str, Any]) -> str:
                      f"{r['saved_tokens']:>10} {t['disk']['chunk_hits']:>9} {t['store']['chunk_hits']:>10} "
                      f"{_pct(t['store']['chunk_hit_rate']):>10} {format_bytes(read):>10} {format_bytes(written):>10}")
         failures += [f"  {name}: {k} = {v}" for k, v in list(r["failures"].items())[:5]]
+        if r["cached_tokens_by_source"]:
+            sources.append(f"  {name}: " + ", ".join(f"{k} {v}" for k, v in r["cached_tokens_by_source"].items()))
+    if sources:
+        lines.append("\ncached prompt tokens by source (device: vLLM's prefix cache, host: CPU tier, disk, "
+                     "external_unspecified: the store or unknown):")
+        lines += sources
     s = rep.get("store")
     if s is not None:
         if "error" in s:

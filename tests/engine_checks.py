@@ -32,6 +32,14 @@ def make_engine(disk, cpu_gib=0.05, secret_file=None):
     return engine.build_engine(cfg, NS, layout, torch.float32, name), name
 
 
+def store_and_close(disk, kv, tokens, slots, rc, secret_file=None):
+    """Store ``tokens`` through an engine of its own, wait for its disk writes, close it."""
+    writer, wname = make_engine(disk, secret_file=secret_file)
+    writer.store(tokens, mask=None, kvcaches=kv, slot_mapping=slots, request_configs=rc)
+    assert engine.drain(writer, 30)
+    engine.close_engine(writer, wname)
+
+
 def make_kv():
     torch.manual_seed(0)
     return [torch.randn(B, H, N, 2 * D) for _ in range(L)]
@@ -74,10 +82,7 @@ def check_damaged_file_stops_the_lookup_prefix(tmp_path, kv):
     tokens = torch.arange(600)
     slots = torch.arange(600)
     rc = engine.request_configs(None, None)
-    writer, wname = make_engine(tmp_path)
-    writer.store(tokens, mask=None, kvcaches=kv, slot_mapping=slots, request_configs=rc)
-    assert engine.drain(writer, 30)
-    engine.close_engine(writer, wname)
+    store_and_close(tmp_path, kv, tokens, slots, rc)
     files = sorted(tmp_path.glob("*/*.lmcm"), key=lambda p: p.stat().st_size)
     assert len(files) == 3, [p.name for p in files]
     files[0].write_bytes(files[0].read_bytes()[:-10])  # the short tail chunk, truncated
@@ -99,10 +104,7 @@ def check_chunks_sealed_with_another_secret_are_misses(tmp_path, kv):
     for name in ("a", "b"):
         secrets[name] = tmp_path / f"secret-{name}"
         secrets[name].write_text(f"{name}-shared-secret-of-enough-bytes\n")
-    writer, wname = make_engine(disk, secret_file=secrets["a"])
-    writer.store(tokens, mask=None, kvcaches=kv, slot_mapping=slots, request_configs=rc)
-    assert engine.drain(writer, 30)
-    engine.close_engine(writer, wname)
+    store_and_close(disk, kv, tokens, slots, rc, secret_file=secrets["a"])
     files = sorted(disk.glob("*/*.lmcm"))
     assert len(files) == 3 and all(b'"blake3_mac"' in p.read_bytes()[:4096] for p in files)
     kept = {p: p.read_bytes() for p in files}
@@ -121,10 +123,32 @@ def check_chunks_sealed_with_another_secret_are_misses(tmp_path, kv):
     assert lookup(secrets["a"]) == 600  # the control: the same secret hits
 
 
+def check_lookup_names_the_tier_each_chunk_was_found_in(tmp_path, kv):
+    tokens = torch.arange(600) + 11
+    slots = torch.arange(600)
+    rc = engine.request_configs(None, None)
+    store_and_close(tmp_path, kv, tokens, slots, rc)
+
+    reader, rname = make_engine(tmp_path)
+    try:
+        # The first chunk in this process's CPU tier, the rest only on disk.
+        reader.store(tokens[:256], mask=None, kvcaches=kv, slot_mapping=slots[:256], request_configs=rc)
+        assert engine.drain(reader, 30)
+        assert engine.lookup_tiers(reader, tokens.tolist(), rc) == (600, [("cpu", 256), ("disk", 600)])
+        # The disk lookup verified its chunks and kept them in the CPU tier: now all there.
+        assert engine.lookup_tiers(reader, tokens.tolist(), rc) == (600, [("cpu", 600)])
+        # The same hit as LMCache's own lookup; a miss names no tier.
+        assert reader.lookup(tokens=tokens, request_configs=rc) == 600
+        assert engine.lookup_tiers(reader, (tokens + 1).tolist(), rc) == (0, [])
+    finally:
+        engine.close_engine(reader, rname)
+
+
 CHECKS = {
     "store_then_fresh_engine_loads_bit_exact": check_store_then_fresh_engine_loads_bit_exact,
     "damaged_file_stops_the_lookup_prefix": check_damaged_file_stops_the_lookup_prefix,
     "chunks_sealed_with_another_secret_are_misses": check_chunks_sealed_with_another_secret_are_misses,
+    "lookup_names_the_tier_each_chunk_was_found_in": check_lookup_names_the_tier_each_chunk_was_found_in,
 }
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 ``lmcache-mooncake stats`` against it, and the namespace line in its log.
 
 One kv_both server (vLLM's own prefix cache off, so a repeat is served by our
-tiers) with a real store and vLLM's ZMQ KV-event publisher on loopback.
+tiers) with a real store and vLLM's ZMQ KV-event publisher on loopback, a CPU
+tier that holds one prompt, and a ``run_dir`` deeper than a Unix socket path may be.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ from lmcache_mooncake.testing.offline import vllm_env
 pytestmark = pytest.mark.e2e
 CHUNK = 256
 PROMPT = [random.Random(3).randrange(16, 2000) for _ in range(700)]  # 2 full chunks and a partial one
+OTHER = [random.Random(4).randrange(16, 2000) for _ in range(700)]
+#: The CPU tier holds one prompt's chunks (1 MiB a full chunk here): OTHER evicts PROMPT's.
+CPU_CAP = 3 << 20
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +96,10 @@ class Subscriber:
 @pytest.fixture(scope="module")
 def server(model, work, store):
     port, events_port = free_port(), free_port()
-    overrides = {"run_dir": str(work / "run"), "local_disk": str(work / "disk"),
+    # A run_dir too deep for a Unix socket path (107 bytes): the lookup socket must not live in it.
+    run_dir = work / "a-run-folder-deeper-than-a-unix-socket-path" / "may-be-long-for-the-lookup-socket-in-it"
+    assert len(str(run_dir / "lookup-0123456789ab.sock").encode()) > 107
+    overrides = {"run_dir": str(run_dir), "local_disk": str(work / "disk"), "max_local_cpu_size": CPU_CAP / 2**30,
                  "mooncake": {"store_dir": str(store), "timeout": 2.0}}
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{events_port}"}
     args = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "4096", "--no-enable-prefix-caching",
@@ -158,6 +165,20 @@ def test_metrics_endpoint_counts_a_cached_request(two_requests):
     assert after.count("vllm:lmcm_verify_failures") == 0 and after.count("vllm:lmcm_store_errors") == 0
 
 
+def test_vllm_counts_the_loaded_tokens_under_the_tier_that_served_them(two_requests):
+    _, _, between, _, after = two_requests
+
+    def by_source(m):
+        return m.labels("vllm:prompt_tokens_cached_by_source", "source")
+
+    grew = {k: int(v - between.value("vllm:prompt_tokens_cached_by_source", source=k))
+            for k, v in by_source(after).items()}
+    # The repeat was served from the CPU tier: vLLM counts it as "host". Without our
+    # get_external_cache_hit_sources vLLM files it all under "external_unspecified".
+    assert grew == {"device": 0, "host": len(PROMPT) - 1, "p2p": 0, "disk": 0, "external_unspecified": 0}
+    assert sum(grew.values()) == after.count("vllm:external_prefix_cache_hits") == len(PROMPT) - 1
+
+
 def test_kv_events_name_the_stored_chunks(server, two_requests, model):
     _, sub = server
     want = [k.digest for k in keys.chunk_keys(namespace(model), PROMPT)]
@@ -182,6 +203,7 @@ def test_stats_command_reads_the_instance_and_the_store(server, two_requests, st
     rep = json.loads(out.stdout)
     (inst,) = rep["instances"].values()
     assert inst["loaded_tokens"] == len(PROMPT) - 1 and inst["tiers"]["store"]["chunks_written"] == 3
+    assert inst["cached_tokens_by_source"] == {"host": len(PROMPT) - 1}
     assert rep["store"]["keys"] >= 3 and 0 < rep["store"]["used_bytes"] <= rep["store"]["capacity_bytes"]
     table = subprocess.run([sys.executable, "-m", "lmcache_mooncake.cli", "stats", "--url", srv.url, "--no-store"],
                            capture_output=True, text=True, timeout=60)
@@ -202,3 +224,19 @@ def test_log_has_namespace_and_transfer_metrics(server, two_requests, model):
     assert f"key namespace {ns.hex()} = model {str(model)!r}, KV dtype float32, 4 layers, 2 KV heads" in log
     line = next(x for x in log.splitlines() if "KV Transfer metrics" in x)
     assert "loaded_tokens=" in line or "saved_tokens=" in line, line
+
+
+# Last in the file: it changes the counters the tests above read.
+def test_a_repeat_evicted_from_the_cpu_tier_counts_as_disk(server, model, two_requests):
+    srv, _ = server
+    _, (text1, _), _, _, _ = two_requests
+    complete(srv.url, model, OTHER)  # computed and saved; PROMPT's chunks leave the CPU tier
+    before = fetch(srv.url)
+    text, cached = complete(srv.url, model, PROMPT)
+    after = fetch(srv.url)
+    grew = {k: int(v - before.value("vllm:prompt_tokens_cached_by_source", source=k))
+            for k, v in after.labels("vllm:prompt_tokens_cached_by_source", "source").items()}
+    # Found on disk (not in the CPU tier, and the disk is asked before the store), loaded, same answer.
+    assert after.count("vllm:lmcm_chunk_hits", tier="disk") - before.count("vllm:lmcm_chunk_hits", tier="disk") == 3
+    assert text == text1 and cached == len(PROMPT) - 1
+    assert grew == {"device": 0, "host": 0, "p2p": 0, "disk": len(PROMPT) - 1, "external_unspecified": 0}

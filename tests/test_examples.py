@@ -31,7 +31,7 @@ def model() -> Path:
 
 
 def run_example(argv: list[str], model: Path, timeout: int = 600) -> str:
-    # A short temp folder: the connector's lookup socket lives in it, and a Unix socket path has
+    # A short temp folder: vLLM's own IPC sockets live in it, and a Unix socket path has
     # at most 107 characters (pytest's tmp_path is too long for that).
     tmp = Path(tempfile.mkdtemp(prefix="lmcm-ex-", dir="/tmp"))
     env = {**os.environ, "PYTHONPATH": str(REPO), "MODEL": str(model), "TMPDIR": str(tmp), "PY": sys.executable}

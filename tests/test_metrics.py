@@ -143,6 +143,11 @@ vllm:lmcm_verify_failures_total{engine="0",model_name="m",tier="disk"} 3
 vllm:external_prefix_cache_queries_total{engine="0",model_name="m"} 2000
 # TYPE vllm:external_prefix_cache_hits counter
 vllm:external_prefix_cache_hits_total{engine="0",model_name="m"} 1500
+# TYPE vllm:prompt_tokens_cached_by_source counter
+vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="m",source="device"} 0
+vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="m",source="host"} 1000
+vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="m",source="disk"} 0
+vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="m",source="external_unspecified"} 500
 """
 
 
@@ -175,9 +180,11 @@ def test_stats_report_and_table(instance):
     assert r["external_hit_rate"] == 0.75 and r["loaded_tokens"] == 1500
     assert r["tiers"]["store"]["chunk_hits"] == 6 and r["tiers"]["store"]["chunk_hit_rate"] == 0.75
     assert r["failures"] == {"verify_failures{tier=disk}": 3}
+    assert r["cached_tokens_by_source"] == {"external_unspecified": 500, "host": 1000}
     assert "could not read metrics from http://127.0.0.1:9/metrics" in rep["instances"]["http://127.0.0.1:9/metrics"]["error"]
     table = render(rep)
     assert "75.0%" in table and "verify_failures{tier=disk} = 3" in table and "127.0.0.1:9 " in table
+    assert "external_unspecified 500, host 1000" in table
 
 
 def test_up_demo_names_the_tier_that_served():

@@ -1,22 +1,31 @@
-"""The connector's scheduler side without vLLM: what it answers after a load failed."""
+"""The connector's scheduler side without vLLM: what it answers after a load failed, and
+which tier it says served a hit."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
 from lmcache_mooncake.config import CacheConfig
+from lmcache_mooncake.connector.lookup import LookupReply
 from lmcache_mooncake.connector.scheduler import SchedulerSide
+
+HOST, DISK, OTHER = CacheHitSource.HOST, CacheHitSource.DISK, CacheHitSource.EXTERNAL_UNSPECIFIED
 
 
 class FixedLookup:
-    """Always reports the whole prompt cached (as a store that lists objects it cannot serve)."""
+    """Always reports the whole prompt cached (as a store that lists objects it cannot serve),
+    in the tiers ``runs`` name (``(tier, end)``; an ``end`` of -1 is the prompt's end)."""
 
-    def __init__(self) -> None:
+    def __init__(self, runs: list[tuple[str, int]] | None = None) -> None:
         self.calls = 0
+        self.runs = runs or []
 
-    def lookup(self, tokens: list[int], salt: str | None, lora: str | None) -> int:
+    def lookup(self, tokens: list[int], salt: str | None, lora: str | None) -> LookupReply:
         self.calls += 1
-        return len(tokens)
+        return LookupReply(hit=len(tokens), runs=[(t, len(tokens) if e == -1 else e) for t, e in self.runs])
 
     def close(self) -> None:
         return None
@@ -45,3 +54,75 @@ def test_a_request_whose_load_failed_is_computed_not_reloaded(tmp_path):
     # Another request is not affected.
     assert side.get_num_new_matched_tokens(other, 0) == (599, True)
     assert side.stats.snapshot()["loads_failed_recomputed"] == 1
+
+
+def test_hit_sources_split_the_loaded_tokens_by_tier(tmp_path):
+    # Chunks 0-1 in the CPU tier, chunk 2 on disk, chunk 3 (the partial tail) in the store.
+    lookup = FixedLookup([("cpu", 512), ("disk", 768), ("store", -1)])
+    side = SchedulerSide(CacheConfig(), 128, lookup, save=True, load=True, stats_path=tmp_path / "s.json")
+    req = request("r1", 900)
+    # vLLM's own prefix cache holds the first 384 tokens: we load [384, 899).
+    assert side.get_num_new_matched_tokens(req, 384) == (515, True)
+    side.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5, 6, 7, 8],)), 515)
+    before = side._reqs["r1"]
+    snapshot = repr(before)
+    sources = side.hit_sources(req, 515)
+    assert sources == {HOST: 128, DISK: 256, OTHER: 131} and sum(sources.values()) == 515
+    # Asked twice, the same answer; the record is unchanged.
+    assert side.hit_sources(req, 515) == sources and repr(side._reqs["r1"]) == snapshot
+    assert side.hit_sources(req, 0) == {}
+
+
+@pytest.mark.parametrize(
+    ("runs", "local", "want"),
+    [
+        ([("cpu", -1)], 0, {HOST: 599}),  # the control: one tier, all of it
+        ([("disk", -1)], 256, {DISK: 343}),
+        ([("cpu", 256), ("disk", -1)], 256, {DISK: 343}),  # vLLM's cache covers the CPU run
+        ([], 0, {OTHER: 599}),  # a worker that did not say
+        ([("cpu", 256)], 0, {HOST: 256, OTHER: 343}),  # runs short of the hit
+        ([("LocalDiskBackend", -1)], 0, {OTHER: 599}),  # a tier we do not know
+    ],
+)
+def test_hit_sources_cases(tmp_path, runs, local, want):
+    side = SchedulerSide(CacheConfig(), 128, FixedLookup(runs), save=True, load=True, stats_path=tmp_path / "s.json")
+    req = request("r", 600)
+    new, _ = side.get_num_new_matched_tokens(req, local)
+    side.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5],)), new)
+    assert side.hit_sources(req, new) == want and sum(want.values()) == new
+
+
+def test_hit_sources_of_an_unknown_request_are_unspecified(tmp_path):
+    side = SchedulerSide(CacheConfig(), 128, FixedLookup(), save=True, load=True, stats_path=tmp_path / "s.json")
+    assert side.hit_sources(request("never-looked-up", 600), 100) == {OTHER: 100}
+
+
+def test_a_second_lookup_keeps_the_tier_the_first_found_a_chunk_in(tmp_path):
+    # First lookup: chunk 0 in the CPU tier, chunks 1-2 on disk (the lookup promotes them).
+    lookup = FixedLookup([("cpu", 256), ("disk", -1)])
+    side = SchedulerSide(CacheConfig(), 128, lookup, save=True, load=True, stats_path=tmp_path / "s.json")
+    req = request("r", 600)
+    side.get_num_new_matched_tokens(req, 0)
+    # vLLM could not schedule it and asks again: now all of it is in the CPU tier.
+    lookup.runs = [("cpu", -1)]
+    new, _ = side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5],)), new)
+    assert side.hit_sources(req, new) == {HOST: 256, DISK: 343}
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "want"),
+    [
+        ([], [("cpu", 600)], [("cpu", 600)]),
+        ([("disk", 600)], [("cpu", 600)], [("disk", 600)]),
+        ([("cpu", 256), ("disk", 600)], [("cpu", 600)], [("cpu", 256), ("disk", 600)]),
+        ([("disk", 600)], [("cpu", 256)], [("disk", 256)]),  # the hit shrank: only its extent
+        ([("cpu", 256)], [("cpu", 256), ("store", 600)], [("cpu", 256), ("store", 600)]),
+        ([("disk", 600)], [], []),  # the latest lookup found nothing
+        ([("odd", 300)], [("disk", 600)], [("odd", 300), ("disk", 600)]),  # unknown: the slowest
+    ],
+)
+def test_outermost_runs(old, new, want):
+    from lmcache_mooncake.connector.scheduler import outermost_runs
+
+    assert outermost_runs(old, new) == want

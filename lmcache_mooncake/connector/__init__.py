@@ -31,7 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from lmcache_mooncake.config import config_from_extra
-from lmcache_mooncake.connector.lookup import LookupClient
+from lmcache_mooncake.connector.lookup import LookupClient, lookup_socket_path
 from lmcache_mooncake.connector.metadata import StepMetadata
 from lmcache_mooncake.connector.scheduler import SchedulerSide
 from lmcache_mooncake.connector.worker import WorkerSide
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -97,7 +98,8 @@ class LMCacheMooncakeConnector(KVConnectorBase_V1):
         engine_id = str(ktc.engine_id)
         self.run_dir = Path(self.cfg.run_dir or Path(tempfile.gettempdir()) / "lmcache-mooncake" / engine_id[:12])
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        socket = self.run_dir / f"lookup-{engine_id[:12]}.sock"
+        # Not in run_dir: a Unix socket path has at most 107 bytes (lookup_socket_path).
+        socket = lookup_socket_path(self.run_dir, engine_id, vllm_config.parallel_config.data_parallel_rank)
         block_size = vllm_config.cache_config.block_size
         save = ktc.kv_role in ("kv_both", "kv_producer")
         load = ktc.kv_role in ("kv_both", "kv_consumer")
@@ -248,6 +250,12 @@ class LMCacheMooncakeConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Scheduler: blocks are allocated; remember to load ``num_external_tokens``."""
         self._scheduler_side().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """Scheduler, after update_state_after_alloc: the tokens vLLM loads through us, by the
+        tier that held them (CPU tier ``host``, disk ``disk``, the store ``external_unspecified``);
+        vLLM counts them in ``vllm:prompt_tokens_cached_by_source``. No side effects."""
+        return self._scheduler_side().hit_sources(request, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """Scheduler: this step's loads and saves, for the workers."""

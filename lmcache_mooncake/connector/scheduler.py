@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from lmcache_mooncake.config import CacheConfig
 from lmcache_mooncake.connector.lookup import LookupClient
@@ -34,6 +36,42 @@ _RECHECK_S = 0.05
 #: Key of our entry in a request's kv_transfer_params.
 PARAMS_KEY = "lmcache_mooncake"
 
+#: Our tiers (``LookupReply.runs``) as vLLM's cache-hit sources. The store is
+#: neither this host's memory nor another vLLM instance (``p2p``): vLLM files a
+#: remote store under ``external_unspecified`` (its ``CacheHitSource`` docs).
+HIT_SOURCES = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK,
+               "store": CacheHitSource.EXTERNAL_UNSPECIFIED}
+#: Our tiers from the fastest; a tier we do not know counts as the slowest.
+_TIER_ORDER = {"cpu": 0, "disk": 1, "store": 2}
+
+
+def outermost_runs(old: list[tuple[str, int]], new: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """An earlier and the latest lookup's ``(tier, end)`` runs of one request, merged over
+    the latest one's extent: each token keeps the slower of the tiers the two found it
+    in. A chunk moves to a faster tier only because someone read it (a disk lookup
+    verifies a chunk into the CPU tier), so the slower tier is where this request's
+    lookups first found it."""
+    def tier_at(runs: list[tuple[str, int]], pos: int) -> str | None:
+        return next((tier for tier, end in runs if pos < end), None)
+
+    def rank(tier: str | None) -> int:
+        return -1 if tier is None else _TIER_ORDER.get(tier, len(_TIER_ORDER))
+
+    out: list[tuple[str, int]] = []
+    start, extent = 0, max((e for _, e in new), default=0)
+    for end in sorted({min(e, extent) for _, e in old} | {e for _, e in new}):
+        if end <= start:
+            continue
+        tier = max(tier_at(old, start), tier_at(new, start), key=rank)
+        if tier is None:
+            break  # neither lookup found this far: runs stay a prefix
+        if out and out[-1][0] == tier:
+            out[-1] = (tier, end)
+        else:
+            out.append((tier, end))
+        start = end
+    return out
+
 
 @dataclass
 class _Request:
@@ -44,6 +82,9 @@ class _Request:
     lora: str | None
     #: Prompt tokens the tiers hold (chunk-aligned, or the whole prompt).
     external_hit: int = 0
+    #: Where they are: (tier, end) runs over [0, external_hit) (LookupReply.runs; over
+    #: several lookups of the request, the slowest tier each token was found in).
+    hit_runs: list[tuple[str, int]] = field(default_factory=list)
     #: Tokens vLLM's own prefix cache supplied (where a load starts). vLLM sets
     #: request.num_computed_tokens only after update_state_after_alloc.
     local_computed: int = 0
@@ -110,7 +151,8 @@ class SchedulerSide:
         if promised and now - rec.last_lookup < _RECHECK_S:
             return None, False  # asked again too soon: no new lookup yet
         rec.last_lookup = now
-        hit = self.lookup_client.lookup(rec.token_ids, rec.cache_salt, rec.lora)
+        reply = self.lookup_client.lookup(rec.token_ids, rec.cache_salt, rec.lora)
+        hit = reply.hit
         if promised and hit < promised:
             # The producer's writes may still be on their way: ask vLLM to
             # come back, up to load_wait_timeout, then compute the rest.
@@ -128,6 +170,9 @@ class SchedulerSide:
             self.stats.add("consumer_requests")
             self.stats.observe("consumer_wait_s", now - (rec.waiting_since or now))
         rec.external_hit, rec.local_computed, rec.looked_up = hit, num_computed_tokens, True
+        # Asked again (vLLM could not schedule it yet, or a consumer waits): a chunk the
+        # earlier lookup promoted from disk was still found on disk for this request.
+        rec.hit_runs = outermost_runs(rec.hit_runs, list(reply.runs))
         if not self.load_enabled:
             return 0, False
         # vLLM must compute at least one prompt token to sample the next one.
@@ -163,6 +208,30 @@ class SchedulerSide:
             # load finished: its blocks are known now, and the load goes out
             # with the next step's metadata.
             rec.block_ids = list(blocks.get_block_ids()[0])
+
+    def hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """``{source: tokens}`` of the ``num_external_tokens`` vLLM loads through us, i.e.
+        prompt tokens ``[local_computed, local_computed + num_external_tokens)``, by the
+        tier the lookup found them in (:data:`HIT_SOURCES`); tokens no run covers are
+        ``external_unspecified``. Non-zero entries only; they sum to
+        ``num_external_tokens``. Reads the request's record, changes nothing."""
+        if num_external_tokens <= 0:
+            return {}
+        rec = self._reqs.get(request.request_id)
+        start = rec.local_computed if rec is not None else 0
+        end = start + num_external_tokens
+        out: dict[CacheHitSource, int] = {}
+        run_start = 0
+        for tier, run_end in rec.hit_runs if rec is not None else []:
+            n = min(run_end, end) - max(run_start, start)
+            if n > 0:
+                source = HIT_SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+                out[source] = out.get(source, 0) + n
+            run_start = max(run_start, run_end)
+        rest = num_external_tokens - sum(out.values())
+        if rest > 0:
+            out[CacheHitSource.EXTERNAL_UNSPECIFIED] = out.get(CacheHitSource.EXTERNAL_UNSPECIFIED, 0) + rest
+        return out
 
     def update_connector_output(self, output: Any) -> None:
         """Mark requests whose load the workers reported failed (``invalid_block_ids``)."""

@@ -17,9 +17,16 @@ import torch
 
 from lmcache_mooncake import layouts
 from lmcache_mooncake.config import CacheConfig
-from lmcache_mooncake.connector.lookup import LookupServer
+from lmcache_mooncake.connector.lookup import LookupReply, LookupServer
 from lmcache_mooncake.connector.metadata import LoadOp, SaveOp, StepMetadata
-from lmcache_mooncake.engine import build_engine, close_engine, context, request_configs, write_barrier
+from lmcache_mooncake.engine import (
+    build_engine,
+    close_engine,
+    context,
+    lookup_tiers,
+    request_configs,
+    write_barrier,
+)
 from lmcache_mooncake.heap import HeapTrimmer
 from lmcache_mooncake.keys import KeyNamespace, namespace_for
 from lmcache_mooncake.kv_events import KVEventLog
@@ -108,14 +115,15 @@ class WorkerSide:
             raise RuntimeError("the connector's engine is not built: vLLM has not called register_kv_caches yet")
 
     # -- lookups (called on the lookup server's thread) --------------------
-    def lookup(self, tokens: list[int], salt: str | None, lora: str | None) -> int:
+    def lookup(self, tokens: list[int], salt: str | None, lora: str | None) -> LookupReply:
+        """The cached prefix of ``tokens`` and the tier that held each part of it."""
         self._require_engine()
         t0 = time.perf_counter()
-        hit = self.engine.lookup(tokens=tokens, request_configs=request_configs(salt, lora))
+        hit, runs = lookup_tiers(self.engine, tokens, request_configs(salt, lora))
         self.stats.add("lookups")
         self.stats.add("lookup_hit_tokens", hit)
         self.stats.observe("lookup_s", time.perf_counter() - t0)
-        return hit
+        return LookupReply(hit=hit, runs=runs)
 
     # -- per step ----------------------------------------------------------
     def start_load_kv(self, meta: StepMetadata) -> None:
