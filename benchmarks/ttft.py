@@ -107,7 +107,9 @@ class Server:
             (self.dir / d).mkdir(exist_ok=True)
         cmd = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(self.port),
                "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_len),
-               "--enable-prompt-tokens-details", "--seed", "0"]
+               "--enable-prompt-tokens-details", "--seed", "0",
+               # Stopping a writer must not lose its last chunks (vLLM's default 0 aborts at once).
+               "--shutdown-timeout", "60"]
         cmd.append("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
         if kv is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv)]

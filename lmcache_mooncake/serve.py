@@ -17,6 +17,11 @@ from typing import Any
 
 ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 
+#: vLLM's ``--shutdown-timeout`` unless the caller gives one. vLLM 0.32's default (0)
+#: kills the engine at once on SIGTERM, losing chunks still being written; with a
+#: timeout the worker shuts down through the connector, which drains its writes.
+SHUTDOWN_TIMEOUT_S = 60
+
 
 def connector_config(kv_role: str, extra_config: dict) -> dict:
     """vLLM's ``kv_transfer_config`` for our connector in ``kv_role`` (kv_producer, kv_consumer, kv_both)."""
@@ -45,10 +50,12 @@ def default_config_file(role: str) -> str | None:
 
 def vllm_command(role: str, model: str, host: str, port: int, config_file: str | None,
                  vllm_args: list[str], overrides: dict | None = None) -> list[str]:
+    own_timeout = any(a.split("=", 1)[0] in ("--shutdown-timeout", "--shutdown_timeout") for a in vllm_args)
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", model, "--host", host, "--port", str(port),
         "--kv-transfer-config", json.dumps(kv_transfer_config(role, config_file, overrides)),
+        *([] if own_timeout else ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]),
         *vllm_args,
     ]
 

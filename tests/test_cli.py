@@ -58,6 +58,16 @@ def test_serve_passes_unknown_arguments_to_vllm():
     assert '"kv_role": "kv_both"' in out.stdout
 
 
+def test_serve_gives_vllm_a_shutdown_timeout_unless_told_one():
+    """vLLM's default --shutdown-timeout 0 kills the engine at once on SIGTERM, losing chunks
+    still being written; serve asks for a graceful shutdown (the connector drains its writes)."""
+    out = cli("serve", "--role", "both", "--model", "m", "--print-command")
+    assert out.returncode == 0, out.stderr
+    assert "--shutdown-timeout 60" in out.stdout
+    out = cli("serve", "--role", "both", "--model", "m", "--print-command", "--shutdown-timeout=5")
+    assert out.stdout.count("--shutdown-timeout") == 1 and "--shutdown-timeout=5" in out.stdout
+
+
 def test_other_commands_refuse_unknown_arguments():
     out = cli("check-config", "configs/both.yaml", "--bogus")
     assert out.returncode == 2 and "unrecognized arguments: --bogus" in out.stderr
