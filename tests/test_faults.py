@@ -106,6 +106,7 @@ class Faulty:
         t0 = time.monotonic()
         res = self.inst.run([P[n] for n in names], salts)
         for name, r in zip(names, res, strict=True):
+            print(f"fault suite: {name}: first token after {r.ttft_s:.2f} s (bound {LIMIT_S:.0f} s)")
             assert r.output_ids == baseline[name], name
             assert r.ttft_s < LIMIT_S, (name, r.ttft_s)
         assert time.monotonic() - t0 < len(names) * LIMIT_S

@@ -11,6 +11,8 @@ Writers and the reader are separate processes, started together.
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -193,3 +195,63 @@ def test_writer_killed_mid_save_leaves_no_partial_disk_chunk(tmp_path):
     planted.write_bytes(b"\0" * 1000)
     print(kill_mid_save("disk", tmp_path / "disk"))
     assert not planted.exists()
+
+
+PUT_CHILD = r"""
+import sys
+from lmcache_mooncake.store.client import StoreClient
+where, mode, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+client = StoreClient.from_state(where, mode=mode, timeout_s=2.0, local_buffer_bytes=32 << 20)
+assert client.batch_put(["stall-warm-" + mode], [b"w" * 4096]) == [0]
+print("ready", flush=True)
+input()
+print("putting", flush=True)
+print(client.batch_put([f"stall-{mode}-{i}" for i in range(n)], [bytes([i]) * (1 << 20) for i in range(n)],
+                       timeout_s=30.0), flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["tcp", "shm"])
+def test_put_of_a_writer_killed_while_the_store_stalls(store, mode):
+    """A writer's put is in flight (the storage process paused), the writer is SIGKILLed, the
+    storage process resumed: a put is whole or absent, never partial. Who finishes it differs:
+    in ``tcp`` mode the writer moves its own bytes, so its put never completes; in ``shm`` mode
+    the storage process moves them from the writer's shared memory, and completes the dead
+    writer's put. (A prefill killed mid-save, end to end: ``test_e2e_pd.py``.)"""
+    from lmcache_mooncake.store.client import NOT_FOUND, StoreClient
+    from lmcache_mooncake.store.launcher import read_state
+
+    n = 12
+    names = [f"stall-{mode}-{i}" for i in range(n)]
+    storage = read_state(store).client_pid
+    writer = subprocess.Popen([sys.executable, "-c", PUT_CHILD, str(store), mode, str(n)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    with StoreClient.from_state(store, timeout_s=2.0, local_buffer_bytes=8 << 20) as checker:
+        try:
+            assert writer.stdout.readline().strip() == "ready", writer.stderr.read()[-3000:]
+            os.kill(storage, signal.SIGSTOP)
+            try:
+                writer.stdin.write("\n")
+                writer.stdin.flush()
+                assert writer.stdout.readline().strip() == "putting"
+                time.sleep(1.0)
+                # tcp: the put began at the master, its bytes wait for the storage process;
+                # shm: the put itself waits, unread, for the storage process.
+                began = checker.batch_get_into(names[:1], [bytearray(2 << 20)])[0]
+                assert began == (-703 if mode == "tcp" else NOT_FOUND), began
+                writer.kill()
+                writer.communicate(timeout=30)
+            finally:
+                os.kill(storage, signal.SIGCONT)
+        finally:
+            writer.kill()
+        deadline = time.monotonic() + (3 if mode == "tcp" else 15)
+        while time.monotonic() < deadline and not all(checker.batch_exists(names)):
+            time.sleep(0.2)
+        bufs = [bytearray(2 << 20) for _ in names]
+        got = checker.batch_get_into(names, bufs)
+    if mode == "tcp":
+        assert all(g < 0 for g in got), got  # absent or unreadable: no bytes
+    else:
+        assert got == [1 << 20] * n, got
+        assert all(bytes(b[: 1 << 20]) == bytes([i]) * (1 << 20) for i, b in enumerate(bufs))
