@@ -1,8 +1,34 @@
-"""Command-line options of the test suite."""
+"""Command-line options of the test suite, and the fixtures most modules share.
+
+A module that needs another model or store defines its own ``model`` or
+``store`` fixture, which then wins over these.
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lmcache_mooncake.store.launcher import StoreSpec, start_store, stop_store
+from lmcache_mooncake.testing.models import ModelSpec, build_model
 
 
 def pytest_addoption(parser) -> None:
     parser.addoption("--soak-minutes", type=float, default=1.0,
                      help="minutes of load in tests/test_soak.py (default 1: the short run of make test)")
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    """The tiny generated Llama most tests run (built once, then read from its cache folder)."""
+    return build_model(ModelSpec(arch="llama", size="tiny", seed=0))
+
+
+@pytest.fixture(scope="module")
+def store(work: Path):
+    """A 256 MiB Mooncake store for the module, its state in the module's own ``work`` folder."""
+    sd = work / "store"
+    start_store(StoreSpec(memory_bytes=256 << 20, state_dir=sd))
+    yield sd
+    stop_store(sd)

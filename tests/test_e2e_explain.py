@@ -17,18 +17,12 @@ import pytest
 from lmcache_mooncake import namespaces
 from lmcache_mooncake.cli import main
 from lmcache_mooncake.store.launcher import StoreSpec, start_store, stop_store
-from lmcache_mooncake.testing.models import ModelSpec, build_model
 from lmcache_mooncake.warmup import warmup
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parent.parent
 rng = random.Random(11)
 TOKENS = [rng.randrange(16, 2000) for _ in range(600)]  # 3 chunks of 256, the last partial
-
-
-@pytest.fixture(scope="module")
-def model() -> Path:
-    return build_model(ModelSpec(arch="llama", size="tiny", seed=0))
 
 
 @pytest.fixture(scope="module")

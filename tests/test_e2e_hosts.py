@@ -20,7 +20,6 @@ from servers import Server
 from lmcache_mooncake.metrics_client import parse
 from lmcache_mooncake.procs import free_port
 from lmcache_mooncake.testing import hosts as simhosts
-from lmcache_mooncake.testing.models import ModelSpec, build_model
 from lmcache_mooncake.testing.offline import vllm_env
 
 pytestmark = pytest.mark.e2e
@@ -29,11 +28,6 @@ CLI = [sys.executable, "-m", "lmcache_mooncake.cli"]
 VLLM_ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "4096", "--enable-prompt-tokens-details"]
 HOSTS = ["store", "prefill", "decode", "proxy"]
 PORT = 8000  # every host has its own network: the same port on each
-
-
-@pytest.fixture(scope="module")
-def model() -> Path:
-    return build_model(ModelSpec(arch="llama", size="tiny", seed=0))
 
 
 @pytest.fixture(scope="module")

@@ -28,8 +28,6 @@ from lmcache_mooncake.metric_names import FAMILIES
 from lmcache_mooncake.metrics_client import fetch
 from lmcache_mooncake.procs import free_port
 from lmcache_mooncake.serve import vllm_command
-from lmcache_mooncake.store.launcher import StoreSpec, start_store, stop_store
-from lmcache_mooncake.testing.models import ModelSpec, build_model
 from lmcache_mooncake.testing.offline import vllm_env
 
 pytestmark = pytest.mark.e2e
@@ -41,21 +39,8 @@ CPU_CAP = 3 << 20
 
 
 @pytest.fixture(scope="module")
-def model() -> Path:
-    return build_model(ModelSpec(arch="llama", size="tiny", seed=0))
-
-
-@pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("metrics")
-
-
-@pytest.fixture(scope="module")
-def store(work):
-    sd = work / "store"
-    start_store(StoreSpec(memory_bytes=256 << 20, state_dir=sd))
-    yield sd
-    stop_store(sd)
 
 
 class Subscriber:

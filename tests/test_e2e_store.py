@@ -19,7 +19,6 @@ from lmcache_mooncake.keys import KeyNamespace
 from lmcache_mooncake.metrics_client import read_offline
 from lmcache_mooncake.store.client import StoreClient
 from lmcache_mooncake.store.launcher import StoreSpec, read_state, start_store, stop_store
-from lmcache_mooncake.testing.models import ModelSpec, build_model
 from lmcache_mooncake.testing.offline import Instance, RunSpec, run_instance
 
 pytestmark = pytest.mark.e2e
@@ -33,11 +32,6 @@ def rand_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 
 
 PROMPTS = rand_prompts(7, [300, 512, 700])
-
-
-@pytest.fixture(scope="module")
-def model() -> Path:
-    return build_model(ModelSpec(arch="llama", size="tiny", seed=0))
 
 
 @pytest.fixture(scope="module")

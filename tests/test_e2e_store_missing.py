@@ -21,7 +21,6 @@ from lmcache_mooncake.keys import KeyNamespace
 from lmcache_mooncake.stats import read_dumps
 from lmcache_mooncake.store.client import StoreClient
 from lmcache_mooncake.store.launcher import StoreSpec, free_port, start_store, stop_store
-from lmcache_mooncake.testing.models import ModelSpec, build_model
 from lmcache_mooncake.testing.offline import Instance, RunSpec, run_instance
 
 pytestmark = pytest.mark.e2e
@@ -38,11 +37,6 @@ def rand_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 BEFORE = rand_prompts(21, [520, 300])
 AFTER = rand_prompts(22, [600])
 
-
-
-@pytest.fixture(scope="module")
-def model() -> Path:
-    return build_model(ModelSpec(arch="llama", size="tiny", seed=0))
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,6 @@ from lmcache_mooncake import keys
 from lmcache_mooncake.chunk_format import decode
 from lmcache_mooncake.keys import KeyNamespace, chunk_keys
 from lmcache_mooncake.metrics_client import MetricsSnapshot, read_offline
-from lmcache_mooncake.testing.models import ModelSpec, build_model
 from lmcache_mooncake.testing.offline import RunSpec, run_instance
 
 CHUNK = 256
@@ -69,11 +68,6 @@ def victim_key(ns: KeyNamespace, key) -> str:
     from lmcache.utils import CacheEngineKey
 
     return CacheEngineKey(ns.hex(), 1, 0, key.as_int, torch.float32).to_string()
-
-
-@pytest.fixture(scope="module")
-def model() -> Path:
-    return build_model(ModelSpec(arch="llama", size="tiny", seed=0))
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,7 @@ from lmcache_mooncake.metrics_client import fetch
 from lmcache_mooncake.procs import free_port
 from lmcache_mooncake.serve import vllm_command
 from lmcache_mooncake.store.client import StoreClient
-from lmcache_mooncake.store.launcher import StoreSpec, start_store, stop_store, store_status
-from lmcache_mooncake.testing.models import ModelSpec, build_model
+from lmcache_mooncake.store.launcher import store_status
 from lmcache_mooncake.testing.offline import Instance, RunSpec, vllm_env
 from lmcache_mooncake.warmup import main_warmup, warmup
 
@@ -61,21 +60,8 @@ DOC = "A document given as a .txt file. " + words(9, 350)
 
 
 @pytest.fixture(scope="module")
-def model() -> Path:
-    return build_model(ModelSpec(arch="llama", size="tiny", seed=0))
-
-
-@pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("warmup-e2e")
-
-
-@pytest.fixture(scope="module")
-def store(work):
-    sd = work / "store"
-    start_store(StoreSpec(memory_bytes=256 << 20, state_dir=sd))
-    yield sd
-    stop_store(sd)
 
 
 @pytest.fixture(scope="module")

@@ -17,17 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_mooncake.testing.models import ModelSpec, build_model
-
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
 LINE = re.compile(r"prompt=(\d+) cached=(\d+) text=(.*)$")
-
-
-@pytest.fixture(scope="module")
-def model() -> Path:
-    return build_model(ModelSpec(arch="llama", size="tiny", seed=0))
 
 
 def run_example(argv: list[str], model: Path, timeout: int = 600) -> str:

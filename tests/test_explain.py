@@ -13,7 +13,6 @@ from lmcache_mooncake import keys, namespaces
 from lmcache_mooncake.cli import main
 from lmcache_mooncake.explain import DiskView, explain
 from lmcache_mooncake.keys import KeyNamespace
-from lmcache_mooncake.testing.models import ModelSpec, build_model
 
 REPO = Path(__file__).resolve().parent.parent
 NS = KeyNamespace(model="m", kv_dtype="float32", num_layers=4, num_kv_heads=2, head_size=64, chunk_size=256)
@@ -112,11 +111,6 @@ def test_partial_chunk_is_left_out_without_save_unfull_chunk(tmp_path):
 
 
 # -- the command line (vLLM's renderer for the tiny model, a disk tier, no store) ------------
-
-
-@pytest.fixture(scope="module")
-def model() -> Path:
-    return build_model(ModelSpec(arch="llama", size="tiny", seed=0))
 
 
 def run_explain(capsys, model, disk, *args):

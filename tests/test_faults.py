@@ -36,8 +36,7 @@ from lmcache_mooncake import keys
 from lmcache_mooncake.keys import KeyNamespace, chunk_keys
 from lmcache_mooncake.stats import read_dumps
 from lmcache_mooncake.store.client import StoreClient
-from lmcache_mooncake.store.launcher import StoreSpec, read_state, restart_storage, start_store, stop_store
-from lmcache_mooncake.testing.models import ModelSpec, build_model
+from lmcache_mooncake.store.launcher import read_state, restart_storage
 from lmcache_mooncake.testing.offline import Instance, RunSpec, run_instance
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]
@@ -54,11 +53,6 @@ NAMES = ["warm", "paused_a", "paused_b", "resumed", "storage_a", "storage_b", "s
 # 600 tokens: two full chunks and a partial one.
 P = {name: [_rng.randrange(16, 2000) for _ in range(600)] for name in NAMES}
 
-
-
-@pytest.fixture(scope="module")
-def model() -> Path:
-    return build_model(ModelSpec(arch="llama", size="tiny", seed=0))
 
 
 @pytest.fixture(scope="module")
@@ -84,14 +78,6 @@ def disk(work):
         pytest.skip(f"cannot mount a tmpfs for the disk tier: {r.stderr.strip()}")
     yield path
     subprocess.run(["umount", "-l", str(path)], check=False)
-
-
-@pytest.fixture(scope="module")
-def store(work):
-    sd = work / "store"
-    start_store(StoreSpec(memory_bytes=256 << 20, state_dir=sd))
-    yield sd
-    stop_store(sd)
 
 
 class Faulty:

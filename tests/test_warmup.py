@@ -16,7 +16,6 @@ from lmcache_mooncake.config import load_config
 from lmcache_mooncake.keys import KeyNamespace, chunk_keys
 from lmcache_mooncake.store.client import StoreClient
 from lmcache_mooncake.store.launcher import StoreSpec, start_store, stop_store
-from lmcache_mooncake.testing.models import ModelSpec, build_model
 from lmcache_mooncake.warmup import (
     BadInputError,
     WarmupError,
@@ -35,11 +34,6 @@ MESSAGES = [
     {"role": "assistant", "content": "Chunks of KV cache."},
     {"role": "user", "content": "And who writes them?"},
 ]
-
-
-@pytest.fixture(scope="module")
-def model() -> Path:
-    return build_model(ModelSpec(arch="llama", size="tiny", seed=0))
 
 
 @pytest.fixture(scope="module")
