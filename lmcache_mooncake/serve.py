@@ -48,9 +48,15 @@ def default_config_file(role: str) -> str | None:
     return str(path.resolve()) if path.is_file() else None
 
 
+def _given(vllm_args: list[str], flag: str) -> bool:
+    """Whether ``vllm_args`` set ``--flag-name`` (as vLLM also reads ``--flag_name``, and ``--flag=value``)."""
+    spellings = (flag, "--" + flag[2:].replace("-", "_"))
+    return any(a.split("=", 1)[0] in spellings for a in vllm_args)
+
+
 def vllm_command(role: str, model: str, host: str, port: int, config_file: str | None,
                  vllm_args: list[str], overrides: dict | None = None) -> list[str]:
-    own_timeout = any(a.split("=", 1)[0] in ("--shutdown-timeout", "--shutdown_timeout") for a in vllm_args)
+    own_timeout = _given(vllm_args, "--shutdown-timeout")
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", model, "--host", host, "--port", str(port),
@@ -84,8 +90,7 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Check the configuration, then replace this process with vLLM's server."""
     vllm_args = list(args.passed_through)
-    own = [a for a in vllm_args if a.split("=", 1)[0] in ("--kv-transfer-config", "--kv_transfer_config")]
-    if own:
+    if _given(vllm_args, "--kv-transfer-config"):
         print("error: serve writes vLLM's --kv-transfer-config itself (from --role and --config); "
               "put cache settings in the YAML given with --config, or run vLLM directly with your own "
               "--kv-transfer-config (see `lmcache-mooncake serve --role both --model M --print-command`)",

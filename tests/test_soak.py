@@ -91,19 +91,16 @@ def processes(server: Server, store_dir: Path) -> dict[str, psutil.Process]:
 def mapping_rss(pid: int) -> dict[str, int]:
     """Resident bytes of one process per mapping (file path; large anonymous regions by address)."""
     out: dict[str, int] = {}
-    name = None
     try:
-        with open(f"/proc/{pid}/smaps") as f:
-            for line in f:
-                head = line.split(maxsplit=5)
-                if "-" in head[0] and len(head) >= 5 and not line.startswith(("Rss", "Pss")) and ":" in head[3]:
-                    lo, hi = (int(x, 16) for x in head[0].split("-"))
-                    path = head[5].strip() if len(head) > 5 else ""
-                    name = path or (f"[anon {lo:#x}, {(hi - lo) >> 20} MiB]" if hi - lo >= 32 * MiB else "[anon small]")
-                elif line.startswith("Rss:") and name is not None:
-                    out[name] = out.get(name, 0) + int(line.split()[1]) * 1024
-    except OSError:
-        pass
+        maps = psutil.Process(pid).memory_maps(grouped=False)
+    except psutil.Error:
+        return out
+    for m in maps:
+        name = m.path
+        if name in ("", "[anon]"):
+            lo, hi = (int(x, 16) for x in m.addr.split("-"))
+            name = f"[anon {lo:#x}, {(hi - lo) >> 20} MiB]" if hi - lo >= 32 * MiB else "[anon small]"
+        out[name] = out.get(name, 0) + m.rss
     return out
 
 

@@ -210,32 +210,31 @@ def _child(work_dir: str) -> None:
                 return
             time.sleep(0.05)
         batch = json.loads(batch_path.read_text())
-        results = []
         rows = list(zip(batch["prompts"], batch["cache_salts"], batch["kv_transfer_params"], strict=True))
+        timed: list[tuple[Any, int, float]] = []  # (vLLM's output, cached tokens, seconds) per prompt
         if spec.batched and not spec.measure_ttft and rows:
             t0 = time.perf_counter()
             outs = llm.generate([request(t, s) for t, s, _ in rows], [params(spec.max_tokens, k) for *_, k in rows],
                                 use_tqdm=False)
             share = (time.perf_counter() - t0) / len(rows)
-            results = [asdict(PromptResult(len(t), int(o.num_cached_tokens or 0), list(o.outputs[0].token_ids),
-                                           share, o.kv_transfer_params)) for (t, _, _), o in zip(rows, outs, strict=True)]
-            rows = []
-        for tokens, salt, ktp in rows:
-            ttft = 0.0
-            if spec.measure_ttft:
-                # Measured first, on the cold path: this is the request that may load.
-                t0 = time.perf_counter()
-                first = llm.generate([request(tokens, salt)], params(1, ktp), use_tqdm=False)[0]
-                ttft = time.perf_counter() - t0
-                cached = first.num_cached_tokens or 0
-                out = llm.generate([request(tokens, salt)], params(spec.max_tokens, ktp), use_tqdm=False)[0]
-            else:
-                t0 = time.perf_counter()
-                out = llm.generate([request(tokens, salt)], params(spec.max_tokens, ktp), use_tqdm=False)[0]
-                ttft = time.perf_counter() - t0  # whole request; a bound on TTFT
-                cached = out.num_cached_tokens or 0
-            results.append(asdict(PromptResult(len(tokens), int(cached), list(out.outputs[0].token_ids), ttft,
-                                               out.kv_transfer_params)))
+            timed = [(o, o.num_cached_tokens or 0, share) for o in outs]
+        else:
+            for tokens, salt, ktp in rows:
+                if spec.measure_ttft:
+                    # Measured first, on the cold path: this is the request that may load.
+                    t0 = time.perf_counter()
+                    first = llm.generate([request(tokens, salt)], params(1, ktp), use_tqdm=False)[0]
+                    ttft = time.perf_counter() - t0
+                    out = llm.generate([request(tokens, salt)], params(spec.max_tokens, ktp), use_tqdm=False)[0]
+                    timed.append((out, first.num_cached_tokens or 0, ttft))
+                else:
+                    t0 = time.perf_counter()
+                    out = llm.generate([request(tokens, salt)], params(spec.max_tokens, ktp), use_tqdm=False)[0]
+                    # whole request; a bound on TTFT
+                    timed.append((out, out.num_cached_tokens or 0, time.perf_counter() - t0))
+        results = [asdict(PromptResult(len(tokens), int(cached), list(out.outputs[0].token_ids), ttft,
+                                       out.kv_transfer_params))
+                   for (tokens, _, _), (out, cached, ttft) in zip(rows, timed, strict=True)]
         tmp = work / f".result-{i}.json"
         tmp.write_text(json.dumps(results))
         tmp.rename(work / f"result-{i}.json")
