@@ -29,6 +29,8 @@ from pathlib import Path
 import msgspec
 import zmq
 
+from lmcache_mooncake import affinity
+
 logger = logging.getLogger(__name__)
 
 #: The longest path a Unix socket may have (``sun_path`` is 108 bytes, NUL included).
@@ -136,6 +138,7 @@ class LookupServer:
         self._thread.start()
 
     def _run(self) -> None:
+        affinity.widen_current_thread("lmcm-lookup")
         decoder = msgspec.msgpack.Decoder(LookupRequest)
         encoder = msgspec.msgpack.Encoder()
         poller = zmq.Poller()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from lmcache_mooncake import layouts
+from lmcache_mooncake import affinity, layouts
 from lmcache_mooncake.config import CacheConfig
 from lmcache_mooncake.connector.lookup import LookupReply, LookupServer
 from lmcache_mooncake.connector.metadata import LoadOp, SaveOp, StepMetadata
@@ -71,7 +71,8 @@ class WorkerSide:
         self._failed_blocks: set[int] = set()
         self.heap = HeapTrimmer(cfg.heap_trim_interval)
         # Asynchronous loads in flight, by request; one loader thread.
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="lmcm-load")
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="lmcm-load",
+                                          initializer=affinity.widen_current_thread, initargs=("lmcm-load",))
         self._loading: dict[str, tuple[Future, LoadOp]] = {}
         # Producer: keys of each request's saved chunks, until they are written
         # everywhere; and the requests vLLM has finished and waits on.

@@ -31,6 +31,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from lmcache_mooncake import affinity
 from lmcache_mooncake.config import MooncakeConfig
 from lmcache_mooncake.store.client import StoreClient, StoreEndpoint
 from lmcache_mooncake.store.errors import StoreError
@@ -173,6 +174,7 @@ class StoreAttachment:
         threading.Thread(target=self._build, args=(endpoint,), name="lmcm-store-attach", daemon=True).start()
 
     def _build(self, endpoint: StoreEndpoint) -> None:
+        affinity.widen_current_thread("lmcm-store-attach")
         client: StoreClient | None = None
         try:
             client = self._factory(endpoint)
