@@ -90,6 +90,11 @@ class Seal:
     def is_mac(self) -> bool:
         return self.mac_key is not None
 
+    @property
+    def digest_chars(self) -> int:
+        """Hex digits of this seal's digest (XXH3-128: 32, BLAKE3: 64)."""
+        return 64 if self.is_mac else 32
+
     def digest(self, key: str, dtype_name: str, shape: list[int], payload: memoryview | bytes | bytearray) -> str:
         if self.mac_key is None:
             return xxhash.xxh3_128_hexdigest(payload)
@@ -149,16 +154,30 @@ def encode_header(key: str, tensor: torch.Tensor, seal: Seal = CHECKSUM_SEAL) ->
     if tensor.dtype not in _ST_NAMES:
         raise ValueError(f"dtype {tensor.dtype} cannot be stored as a chunk")
     shape = list(tensor.shape)
-    nbytes = tensor.numel() * tensor.element_size()
-    dtype_name = str(tensor.dtype).removeprefix("torch.")
+    digest = seal.digest(key, str(tensor.dtype).removeprefix("torch."), shape, tensor_bytes(tensor))
+    return _header_bytes(key, tensor.dtype, shape, seal, digest)
+
+
+def header_nbytes(key: str, dtype: torch.dtype, shape: list[int] | tuple[int, ...],
+                  seal: Seal = CHECKSUM_SEAL) -> int:
+    """How many bytes :func:`encode_header` writes for the chunk ``key`` of this dtype and shape
+    (no payload needed: a digest's length does not depend on the bytes). A reader that knows
+    what it expects can split an object into header and payload before it arrives."""
+    return len(_header_bytes(key, dtype, list(shape), seal, "0" * seal.digest_chars))
+
+
+def _header_bytes(key: str, dtype: torch.dtype, shape: list[int], seal: Seal, digest: str) -> bytes:
+    nbytes = dtype.itemsize
+    for dim in shape:
+        nbytes *= dim
     header = {
-        TENSOR_NAME: {"dtype": _ST_NAMES[tensor.dtype], "shape": shape, "data_offsets": [0, nbytes]},
+        TENSOR_NAME: {"dtype": _ST_NAMES[dtype], "shape": shape, "data_offsets": [0, nbytes]},
         "__metadata__": {
             "format": FORMAT_VERSION,
             "key": key,
-            "dtype": dtype_name,
+            "dtype": str(dtype).removeprefix("torch."),
             "shape": json.dumps(shape),
-            seal.field_name: seal.digest(key, dtype_name, shape, tensor_bytes(tensor)),
+            seal.field_name: digest,
         },
     }
     blob = json.dumps(header, separators=(",", ":")).encode()

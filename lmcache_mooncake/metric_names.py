@@ -65,6 +65,11 @@ FAMILIES: tuple[Family, ...] = (
        {"lmcm_mooncake_write_errors": "store", "lmcm_disk_write_errors": "disk"}, "tier"),
     _c("bad_removed", "Damaged chunks removed from a tier so that a good copy can replace them.",
        {"store_bad_removed": "store"}, "tier"),
+    _c("store_reads", "Chunks read from the store, by path: direct (straight into LMCache's buffer, tcp mode) "
+       "or staged (through the client's staging region, one copy more).",
+       {"store_direct_reads": "direct", "store_staged_reads": "staged"}, "path"),
+    _c("quarantined_bytes", "LMCache buffer bytes given up for good because a direct store get into them timed "
+       "out (the Mooncake call may still write them).", "store_quarantined_bytes"),
     _c("store_errors", "Mooncake store calls that failed, by kind (timeout, unavailable, connection).",
        {"store_client_timeouts": "timeout", "store_client_unavailable": "unavailable",
         "store_client_connection_errors": "connection"}, "kind"),

@@ -96,3 +96,18 @@ def test_mac_secret_must_be_long_enough():
 
     with pytest.raises(ValueError, match="at least 16 bytes"):
         mac_seal(b"short")
+
+
+@pytest.mark.parametrize("seal", ["checksum", "mac"])
+@pytest.mark.parametrize("shape", [(2, 24, 256, 128), (2, 2, 232, 128), (2, 1, 1, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_header_size_is_known_before_the_bytes(seal, shape, dtype):
+    """A direct get from the store splits an object into header and payload before it arrives."""
+    from lmcache_mooncake.chunk_format import CHECKSUM_SEAL, encode_header, header_nbytes, mac_seal
+
+    s = CHECKSUM_SEAL if seal == "checksum" else mac_seal(b"a-secret-of-enough-bytes")
+    key = "ab" * 32 + "@1@0@" + "cd" * 32 + "@float32"
+    t = torch.randn(shape).to(dtype)
+    assert header_nbytes(key, dtype, shape, s) == len(encode_header(key, t, s))
+    # The payload starts 8-byte aligned whatever the header holds.
+    assert header_nbytes(key + "x", dtype, shape, s) % 8 == 0

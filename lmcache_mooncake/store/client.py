@@ -12,6 +12,10 @@
   ``batch_get_into`` has the store write into it and copies the bytes read into
   the caller's buffers. The one copy is deliberate: a call that times out keeps
   running inside Mooncake, and it must never touch memory the caller got back.
+- **Direct gets** (``tcp`` mode, :mod:`lmcache_mooncake.store.direct`) skip
+  that copy for a caller that registers long-lived memory
+  (:meth:`StoreClient.register_destination`) and gives up for good the
+  destinations of a call that timed out (:meth:`StoreClient.batch_get_split`).
 - **Every call has a timeout.** The blocking Mooncake call runs on the
   client's own worker thread; the caller waits at most ``timeout_s`` and then
   gets failures (misses), never an exception and never a hang. After a timeout
@@ -22,7 +26,9 @@
   plain TCP connect (bounded, 0.5 s) that the master (``tcp`` mode) or the
   storage process (``shm`` mode) accepts connections, then probes the existing
   Mooncake client (Mooncake reconnects to a restarted master by itself) and,
-  after ``rebuild_after`` failed probes, builds a new one. So "master down"
+  after ``rebuild_after`` failed probes, builds a new one; in ``shm`` mode it
+  always attaches anew (a storage process restarted behind the same port
+  answers a probe but no longer maps our shared memory). So "master down"
   degrades to misses and "master back" resumes, in the same process.
 
 Modes:
@@ -89,6 +95,7 @@ from lmcache_mooncake.store.codes import (  # noqa: F401 - the client's return c
     RPC_TIMEOUT,
     describe,
 )
+from lmcache_mooncake.store.direct import DirectGets
 from lmcache_mooncake.store.errors import StoreError
 from lmcache_mooncake.store.staging import StagedTransfers
 from lmcache_mooncake.store.state import read_state
@@ -156,7 +163,7 @@ class StoreEndpoint:
 PINS = ("none", "soft", "hard")
 
 
-class StoreClient(StagedTransfers):
+class StoreClient(StagedTransfers, DirectGets):
     """Client to a Mooncake Store for one process. Thread-safe; calls are serialised.
 
     Build it with :meth:`connect` or :meth:`from_state`.
@@ -239,6 +246,11 @@ class StoreClient(StagedTransfers):
         self._staging_ptr = 0
         self._staging_mem: Any = None  # keeps the staging memory alive
         self._staging_tensor: Any = None
+        # Caller memory direct gets may write (register_destination), the Mooncake
+        # client it is registered with, and why Mooncake refused it (if it did).
+        self._destinations: list[tuple[int, int]] = []
+        self._destinations_on: Any = None
+        self._register_error: str | None = None
         self._healthy = False
         self._closed = False
         self._next_attempt = 0.0
@@ -250,6 +262,7 @@ class StoreClient(StagedTransfers):
                 "exists_calls",
                 "put_calls",
                 "get_calls",
+                "direct_get_calls",
                 "puts_ok",
                 "puts_failed",
                 "gets_hit",
@@ -402,7 +415,10 @@ class StoreClient(StagedTransfers):
                     self._probe_failures = self.rebuild_after
                 self._mark_unhealthy(f"nothing accepts connections at {host}:{port}")
                 return ERR_UNAVAILABLE
-        if self._store is not None and self._probe_failures < self.rebuild_after:
+        # In shm mode a probe cannot tell whether the storage process answering is the one that
+        # maps our shared memory: restarted within the back-off, it answers, and every put is then
+        # refused (-600). Attaching again is cheap there (a local RPC and a memfd): always do it.
+        if self._store is not None and self._probe_failures < self.rebuild_after and self.mode != "shm":
             fn, what = self._job_probe, "probe"
         else:
             fn, what = self._job_rebuild, "setup"
@@ -455,6 +471,8 @@ class StoreClient(StagedTransfers):
                 store.close()
             self._mark_unhealthy(err)
             return
+        if self._destinations:
+            self._register_destinations(store)
         self._store = store
         self._stats["rebuilds"] += 1
         self._mark_healthy("setup")
@@ -483,6 +501,7 @@ class StoreClient(StagedTransfers):
         return None
 
     def _release_staging(self, store: Any) -> None:
+        self._unregister_destinations(store)
         if not self._staging_ptr:
             return
         with contextlib.suppress(Exception):
@@ -502,9 +521,10 @@ class StoreClient(StagedTransfers):
         if self._worker.busy():
             self._stats["unavailable"] += 1
             return False, ERR_UNAVAILABLE
-        job = self._worker.submit(fn)
         wait = max(deadline - time.monotonic(), 0.0)
+        job = self._worker.submit(fn, what, wait)
         if not job.done.wait(wait):
+            job.abandon(what)
             self._stats["timeouts"] += 1
             self._mark_unhealthy(f"{what} did not finish within {wait:.3g} s")
             return False, ERR_TIMEOUT
@@ -562,17 +582,22 @@ class StoreClient(StagedTransfers):
         if not keys:
             return []
         self._stats["exists_calls"] += 1
+        ok, val = self._call_once("batch_is_exist", lambda store: store.batch_is_exist(keys))
+        if not ok:
+            return [False] * len(keys)
+        codes = [int(v) for v in val]
+        self._check_codes(codes, "batch_is_exist")
+        return [c == 1 for c in codes]
+
+    def _call_once(self, what: str, fn: Callable[[Any], Any]) -> tuple[bool, Any]:
+        """``fn(store)`` as one Mooncake call, under the caller lock and the client's timeout:
+        ``(True, its result)`` or ``(False, a code saying why not)``."""
         deadline, code = self._begin()
         if code != OK:
-            return [False] * len(keys)
+            return False, code
         try:
             store = self._store
-            ok, val = self._run(lambda: store.batch_is_exist(keys), deadline, "batch_is_exist")
-            if not ok:
-                return [False] * len(keys)
-            codes = [int(v) for v in val]
-            self._check_codes(codes, "batch_is_exist")
-            return [c == 1 for c in codes]
+            return self._run(lambda: fn(store), deadline, what)
         finally:
             self._lock.release()
 
@@ -596,19 +621,12 @@ class StoreClient(StagedTransfers):
         keys = list(keys)
         if not keys:
             return []
-        deadline, code = self._begin()
-        if code != OK:
-            return [code] * len(keys)
-        try:
-            store = self._store
-            ok, val = self._run(lambda: store.batch_remove(keys, force), deadline, "batch_remove")
-            if not ok:
-                return [val] * len(keys)
-            codes = [int(v) for v in val]
-            self._check_codes(codes, "batch_remove")
-            return codes
-        finally:
-            self._lock.release()
+        ok, val = self._call_once("batch_remove", lambda store: store.batch_remove(keys, force))
+        if not ok:
+            return [val] * len(keys)
+        codes = [int(v) for v in val]
+        self._check_codes(codes, "batch_remove")
+        return codes
 
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
         """Read each key into its buffer. Per key: bytes read (>= 0), -704 missing, other negative: failed.

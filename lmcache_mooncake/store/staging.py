@@ -35,6 +35,24 @@ from lmcache_mooncake.store.codes import (
 _ALIGN = 64
 
 
+def pack_rounds(items: list[tuple[int, int]], capacity: int) -> list[list[tuple[int, int]]]:
+    """``(index, nbytes)`` items, each fitting ``capacity`` once aligned, packed in order into
+    rounds of ``(index, offset)`` whose aligned slots fit a staging region of ``capacity`` bytes."""
+    rounds: list[list[tuple[int, int]]] = []
+    cur: list[tuple[int, int]] = []
+    off = 0
+    for i, nbytes in items:
+        size = (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        if cur and off + size > capacity:
+            rounds.append(cur)
+            cur, off = [], 0
+        cur.append((i, off))
+        off += size
+    if cur:
+        rounds.append(cur)
+    return rounds
+
+
 class StagedTransfers:
     """Mixin of :class:`StoreClient`: batched transfers through the staging region."""
 
@@ -59,18 +77,9 @@ class StagedTransfers:
                 continue
             items.append((i, rb))
         # Pack into rounds that fit the staging region.
-        rounds: list[list[tuple[int, _Buf, int]]] = []
-        cur: list[tuple[int, _Buf, int]] = []
-        off = 0
-        for i, rb in items:
-            size = (rb.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-            if cur and off + size > self.local_buffer_bytes:
-                rounds.append(cur)
-                cur, off = [], 0
-            cur.append((i, rb, off))
-            off += size
-        if cur:
-            rounds.append(cur)
+        bufs = dict(items)
+        rounds = [[(i, bufs[i], off) for i, off in rnd]
+                  for rnd in pack_rounds([(i, rb.nbytes) for i, rb in items], self.local_buffer_bytes)]
         if rounds:
             deadline, code = self._begin(timeout_s)
             if code != OK:

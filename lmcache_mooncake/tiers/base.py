@@ -97,6 +97,8 @@ class EngineContext:
         self.seal = chunk_format.CHECKSUM_SEAL
         #: The engine's namespace, whose manifest each tier records on its first write.
         self.namespace: KeyNamespace | None = None
+        #: What ``engine.build_engine`` touched of the CPU tier (a ``prefault.Prefault``; None: not done).
+        self.prefault: Any = None
 
     def set_seal(self, seal: chunk_format.Seal) -> None:
         """Use ``seal`` for every chunk written and read from now on (before any tier I/O)."""
@@ -172,8 +174,13 @@ class VerifiedTier(RemoteConnector):
 
     def _allocate(self, header: chunk_format.ChunkHeader, busy_loop: bool = True) -> MemoryObj | None:
         """An LMCache buffer for the chunk ``header`` describes, or None (no memory: a miss)."""
+        return self._allocate_as(header.shape, header.dtype, busy_loop)
+
+    def _allocate_as(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype,
+                     busy_loop: bool = True) -> MemoryObj | None:
+        """An LMCache buffer for a chunk of ``shape`` and ``dtype``, or None (no memory: a miss)."""
         obj = self.local_cpu_backend.allocate(
-            [torch.Size(header.shape)], [header.dtype], MemoryFormat.KV_2LTD, busy_loop=busy_loop
+            [torch.Size(shape)], [dtype], MemoryFormat.KV_2LTD, busy_loop=busy_loop
         )
         if obj is None and busy_loop:
             logger.warning("%s: no CPU memory to stage a chunk; treating it as a miss", self.PLUGIN_NAME)
