@@ -49,9 +49,15 @@ reads the logical tensor:
     one head dimension for all tokens of a block at once. This was checked
     against vLLM 0.32's own ``cpu_attn_reshape_and_cache`` (see the tests);
     note that K is *not* ``kv[b, h, o, :D]`` as on the GPU backends.
-    Other kernels are refused rather than misread: AMX (bf16 on CPUs with
-    AMX) packs K and V into tile layouts, and the NEON / VSX / VXE / RVV
-    packings are not verified here.
+``CPU_ATTN`` with the ``amx`` kernel (bfloat16 on CPUs with AMX tiles)
+    The same contiguous (block, head) runs, K then V, packed in tiles for the
+    AMX matrix unit: K as ``[N/16, D/2, 16, 2]`` (for 16 tokens at a time,
+    pairs of head dims) and V as ``[D/16, N/2, 16, 2]`` (for 16 head dims at
+    a time, pairs of tokens), found by writing index patterns with vLLM's
+    ``cpu_attn_reshape_and_cache(..., "amx")`` and checked against it in the
+    tests. Whole blocks still move with one strided copy (6-D views); a
+    partial block moves token by token. The NEON / VSX / VXE / RVV packings
+    are not verified here and are refused rather than misread.
 
 vLLM may split each scheduler block of ``M`` tokens into ``M / N`` kernel
 blocks of ``N`` tokens (``prepare_kernel_block_sizes`` in
@@ -88,7 +94,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -168,7 +174,10 @@ class PagedLayout(ABC):
 
     @abstractmethod
     def _kv_views(self, kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of a validated layer tensor as ``[B, N, H, D]`` views sharing its storage."""
+        """K and V of a validated layer tensor as ``[B, N, H, D]`` views sharing its storage
+        (for a tiled layout, ``[B, ...]`` where the dims after ``B`` split ``N``, ``H``, ``D``
+        in row-major order, e.g. AMX's ``[B, N/16, 16, H, D/2, 2]``; such a layout copies
+        through :class:`PagedKV`, since an element plan cannot describe tiles)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -257,13 +266,17 @@ class CpuAttnLayout(PagedLayout):
 
     ``isa`` is the CPU attention kernel vLLM picked for the model (the
     ``isa`` attribute it sets on each attention layer), since the in-block
-    packing depends on it. Only ``"vec"`` and ``"vec16"`` (same packing) are
-    supported. ``None`` resolves it per tensor the way vLLM does (by dtype,
-    block size, head size and CPU features) and refuses the others.
+    packing depends on it. ``"vec"`` and ``"vec16"`` share the packing above;
+    ``"amx"`` (bfloat16 on CPUs with AMX tiles) packs each (block, head) in
+    tiles: K as ``[N/16, D/2, 16, 2]`` (pairs of head dims of 16 tokens) and V
+    as ``[D/16, N/2, 16, 2]`` (pairs of tokens of 16 head dims), checked
+    against vLLM's ``cpu_attn_reshape_and_cache`` in the tests. ``None``
+    resolves it per tensor the way vLLM does (by dtype, block size, head size
+    and CPU features) and refuses the others.
     """
 
     name = "CPU_ATTN"
-    SUPPORTED_ISAS: ClassVar[tuple[str, ...]] = ("vec", "vec16")
+    SUPPORTED_ISAS: ClassVar[tuple[str, ...]] = ("vec", "vec16", "amx")
     _EXPECTED: ClassVar[str] = "[num_blocks, num_kv_heads, block_size, 2 * head_size]"
 
     def __init__(self, isa: str | None = None) -> None:
@@ -286,17 +299,48 @@ class CpuAttnLayout(PagedLayout):
                 f"{self.name}: each (block, head) must be contiguous [block_size, 2 * head_size] memory, "
                 f"got strides {kv_layer.stride()} for shape {tuple(kv_layer.shape)}"
             )
-        if self.isa is None:
-            _check_isa(_vllm_cpu_isa(kv_layer.dtype, tokens, head_size))
+        isa = self._isa_of(kv_layer)
+        if isa == "amx" and (tokens % 16 or head_size % 16):
+            raise ValueError(
+                f"{self.name} with the 'amx' kernel: block size {tokens} and head size {head_size} "
+                "must be multiples of 16"
+            )
         return blocks, heads, tokens, head_size
+
+    def _isa_of(self, kv_layer: torch.Tensor) -> str:
+        if self.isa is not None:
+            return self.isa
+        _, _, tokens, width = kv_layer.shape
+        isa = _vllm_cpu_isa(kv_layer.dtype, tokens, width // 2)
+        _check_isa(isa)
+        return isa
 
     def _kv_views(self, kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         blocks, heads, tokens, width = kv_layer.shape
         dim = width // 2
         halves = kv_layer.view(blocks, heads, 2, tokens * dim)  # [B, H, K|V, N*D]
+        if self._isa_of(kv_layer) == "amx":
+            # Tiles, as views whose dims after the block are a row-major split of [N, H, D]:
+            # K [B, N/16, 16, H, D/2, 2] over memory [B, H, N/16, D/2, 16, 2];
+            # V [B, N/2, 2, H, D/16, 16] over memory [B, H, D/16, N/2, 16, 2].
+            k = halves[:, :, 0].unflatten(-1, (tokens // 16, dim // 2, 16, 2)).permute(0, 2, 4, 1, 3, 5)
+            v = halves[:, :, 1].unflatten(-1, (dim // 16, tokens // 2, 16, 2)).permute(0, 3, 5, 1, 2, 4)
+            return k, v
         k = halves[:, :, 0].unflatten(-1, (dim, tokens)).permute(0, 3, 1, 2)  # [B,H,D,N] -> [B,N,H,D]
         v = halves[:, :, 1].unflatten(-1, (tokens, dim)).permute(0, 2, 1, 3)  # [B,H,N,D] -> [B,N,H,D]
         return k, v
+
+    def gather(self, kv_layer: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
+        if self._isa_of(kv_layer) != "amx":
+            return super().gather(kv_layer, slots, out)
+        PagedKV(self, [kv_layer]).gather(slots, out.unsqueeze(1))  # tiles: no per-element plan
+        return None
+
+    def scatter(self, kv_layer: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
+        if self._isa_of(kv_layer) != "amx":
+            return super().scatter(kv_layer, slots, src)
+        PagedKV(self, [kv_layer]).scatter(slots, src.unsqueeze(1))
+        return None
 
 
 class GpuPagedLayout(PagedLayout):
@@ -368,6 +412,33 @@ def _vllm_cpu_isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
     if machine not in ("x86_64", "amd64", "i686", "i386"):
         return f"{machine} (non-x86)"
     return "vec" if block_size % 32 == 0 else "vec16"
+
+
+def load_granularity(vllm_config: Any) -> int:
+    """Tokens a load must end on a multiple of, for the scheduler side (1: any token).
+
+    vLLM 0.32's ``amx`` CPU attention kernel dies with an illegal instruction
+    (SIGILL in ``cpu_attention_with_kv_cache``) when a request's computed tokens
+    start inside a block, as they do after a load that ends mid-block; vLLM's
+    own prefix cache only ever hits whole blocks. Seen on this project's AMX
+    machine, 2026-12-02: a 1,000-token bfloat16 prompt with 999 tokens loaded
+    crashed the worker, with 896 (7 blocks) it gave the recomputed tokens. So
+    where vLLM will pick ``amx`` (CPU, bfloat16, AMX tiles, block size a
+    multiple of 32), loads are whole blocks: the block size.
+    """
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return 1
+        model = vllm_config.model_config
+        dtype = model.dtype  # vLLM picks the kernel by the model's dtype: CPU_ATTN caches
+        # "auto" (the model's dtype) or fp8, and fp8 under a bfloat16 model is still ``amx``.
+        block_size = int(vllm_config.cache_config.block_size)
+        isa = _vllm_cpu_isa(dtype, block_size, int(model.get_head_size()))
+    except Exception:  # noqa: BLE001 - a config we cannot read: no restriction
+        return 1
+    return block_size if isa == "amx" else 1
 
 
 # -- backend names --------------------------------------------------------------
@@ -470,8 +541,10 @@ class PagedKV:
     V views of each; :meth:`gather` and :meth:`scatter` then only check their
     slots and buffer, so a load of many chunks pays the checks once. Whole
     blocks of a chunk move with one strided copy per run of consecutive
-    blocks, layer and K/V (a transpose where the layout stores K column-major),
-    the rest (a partial block at either end) token by token.
+    blocks and K/V (a transpose where the layout stores K column-major): one
+    copy for all layers when they are views of one allocation at one layer
+    stride, as vLLM allocates them, else one per layer. The rest (a partial
+    block at either end) moves token by token.
     """
 
     def __init__(self, layout: PagedLayout, kv_caches: Sequence[torch.Tensor]):
@@ -482,6 +555,17 @@ class PagedKV:
         self.num_slots = _num_slots(layout, first)
         self.device = first.device
         self._views = [layout._kv_views(kv) for kv in self.kv_caches]
+        # vLLM puts every layer in one allocation at a fixed layer stride: then K (and V)
+        # of all layers is one [L, B, N, H, D] view, and a run of blocks moves with one
+        # copy for all layers instead of one per layer (24x fewer, each big enough for
+        # torch to split across threads).
+        self._all_layers = _stacked_views(self._views)
+        # Per block, the shapes K and V views take after the block dim: [N, H, D], or a
+        # row-major split of it where a layout packs tokens and head dims in tiles (AMX);
+        # a chunk buffer's tokens of n blocks are viewed the same way for each copy.
+        k0, v0 = self._views[0]
+        self._kdims, self._vdims = tuple(k0.shape[1:]), tuple(v0.shape[1:])
+        self._tiled = len(self._kdims) != 3 or len(self._vdims) != 3
 
     def gather(self, slots: torch.Tensor, out: torch.Tensor) -> None:
         """Copy the tokens at ``slots`` from every layer into ``out`` ``[2, L, T, H * D]``."""
@@ -489,12 +573,24 @@ class PagedKV:
         _check_buffer("out", out, self.shape.chunk_shape(slots.numel()), self.kv_caches[0])
         runs, rest = _block_runs(slots, self.shape.block_size)
         n_tok, heads, dim = self.shape.block_size, self.shape.num_kv_heads, self.shape.head_size
-        for layer, (k, v) in enumerate(self._views):
+        kd, vd = self._kdims, self._vdims
+        if self._all_layers is not None and runs:
+            k_all, v_all = self._all_layers
+            layers = self.shape.num_layers
             for block, tok, n in runs:
                 tokens = slice(tok, tok + n * n_tok)
-                out[0, layer, tokens].view(n, n_tok, heads, dim).copy_(k[block : block + n])
-                out[1, layer, tokens].view(n, n_tok, heads, dim).copy_(v[block : block + n])
+                out[0, :, tokens].view(layers, n, *kd).copy_(k_all[:, block : block + n])
+                out[1, :, tokens].view(layers, n, *vd).copy_(v_all[:, block : block + n])
+        else:
+            for layer, (k, v) in enumerate(self._views):
+                for block, tok, n in runs:
+                    tokens = slice(tok, tok + n * n_tok)
+                    out[0, layer, tokens].view(n, *kd).copy_(k[block : block + n])
+                    out[1, layer, tokens].view(n, *vd).copy_(v[block : block + n])
         if rest is None:
+            return
+        if self._tiled:
+            self._tokenwise(slots, rest, out, into_paged=False)
             return
         if not runs:
             self._gather_tokens(slots, out)
@@ -508,13 +604,25 @@ class PagedKV:
         slots = _check_slots(slots, self.num_slots, self.device)
         _check_buffer("src", src, self.shape.chunk_shape(slots.numel()), self.kv_caches[0])
         runs, rest = _block_runs(slots, self.shape.block_size)
-        n_tok, heads, dim = self.shape.block_size, self.shape.num_kv_heads, self.shape.head_size
-        for layer, (k, v) in enumerate(self._views):
+        n_tok = self.shape.block_size
+        kd, vd = self._kdims, self._vdims
+        if self._all_layers is not None and runs:
+            k_all, v_all = self._all_layers
+            layers = self.shape.num_layers
             for block, tok, n in runs:
                 tokens = slice(tok, tok + n * n_tok)
-                k[block : block + n].copy_(src[0, layer, tokens].view(n, n_tok, heads, dim))
-                v[block : block + n].copy_(src[1, layer, tokens].view(n, n_tok, heads, dim))
+                k_all[:, block : block + n].copy_(src[0, :, tokens].view(layers, n, *kd))
+                v_all[:, block : block + n].copy_(src[1, :, tokens].view(layers, n, *vd))
+        else:
+            for layer, (k, v) in enumerate(self._views):
+                for block, tok, n in runs:
+                    tokens = slice(tok, tok + n * n_tok)
+                    k[block : block + n].copy_(src[0, layer, tokens].view(n, *kd))
+                    v[block : block + n].copy_(src[1, layer, tokens].view(n, *vd))
         if rest is None:
+            return
+        if self._tiled:
+            self._tokenwise(slots, rest, src, into_paged=True)
             return
         if runs:
             slots, src = slots[rest], src[:, :, rest]
@@ -522,10 +630,81 @@ class PagedKV:
             _scatter_side(kv, plan.k, src[0, layer])
             _scatter_side(kv, plan.v, src[1, layer])
 
+    def _tokenwise(self, slots: torch.Tensor, rest: torch.Tensor, buf: torch.Tensor, into_paged: bool) -> None:
+        """Copy the tokens at positions ``rest`` of ``slots`` one by one, per layer and K/V,
+        between ``buf`` ``[2, L, T, H * D]`` and a tiled layout (a partial block at either end;
+        an element plan cannot describe tiles). At most a block per end, so this stays small."""
+        n_tok = self.shape.block_size
+        picks = []
+        for side, dims in ((0, self._kdims), (1, self._vdims)):
+            # The leading dims of a block's view that split its token offset, e.g. (N/16, 16).
+            count, split = 1, 0
+            while count < n_tok:
+                count *= dims[split]
+                split += 1
+            picks.append((side, dims[:split], dims[split:]))
+        s = slots.tolist()
+        for i in rest.tolist():
+            block, offset = divmod(s[i], n_tok)
+            for side, tok_dims, row_dims in picks:
+                # The token's index in the block's view: the same in every layer.
+                index, rem = [], offset
+                for size in reversed(tok_dims):
+                    rem, r = divmod(rem, size)
+                    index.append(r)
+                at = (block, *reversed(index))
+                for layer, views in enumerate(self._views):
+                    paged = views[side][at]
+                    row = buf[side, layer, i].view(row_dims)
+                    if into_paged:
+                        paged.copy_(row)
+                    else:
+                        row.copy_(paged)
+
     def _gather_tokens(self, slots: torch.Tensor, out: torch.Tensor) -> None:
         for layer, kv, plan in _plans(self.layout, self.kv_caches, slots, self.shape.block_size):
             _gather_side(kv, plan.k, out[0, layer])
             _gather_side(kv, plan.v, out[1, layer])
+
+
+def _stacked_views(views: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """K and V of every layer as ``[L, B, N, H, D]`` views (no copy), or None where the
+    layers are not equally strided views of one storage at one layer stride, or where
+    such a view would address an element twice: then each layer is copied on its own."""
+    if len(views) < 2:
+        return None
+    k0, v0 = views[0]
+    storage = k0.untyped_storage().data_ptr()
+    step = views[1][0].storage_offset() - k0.storage_offset()
+    if step <= 0:
+        return None
+    for i, (k, v) in enumerate(views):
+        if (k.untyped_storage().data_ptr() != storage or v.untyped_storage().data_ptr() != storage
+                or k.stride() != k0.stride() or v.stride() != v0.stride()
+                or k.shape != k0.shape or v.shape != v0.shape
+                or k.storage_offset() - k0.storage_offset() != i * step
+                or v.storage_offset() - v0.storage_offset() != i * step):
+            return None
+    stacked = []
+    for t in (k0, v0):
+        view = t.as_strided((len(views), *t.shape), (step, *t.stride()), t.storage_offset())
+        if not _distinct_addresses(view):
+            return None
+        stacked.append(view)
+    return stacked[0], stacked[1]
+
+
+def _distinct_addresses(view: torch.Tensor) -> bool:
+    """Whether no two elements of ``view`` share an address: sorted by stride, each
+    stride must pass the span of the dims inside it (sufficient, and true of every
+    layout vLLM allocates)."""
+    span = 1
+    for size, stride in sorted(((sz, st) for sz, st in zip(view.shape, view.stride(), strict=True) if sz > 1),
+                               key=lambda d: d[1]):
+        if stride < span:
+            return False
+        span = stride * (size - 1) + span
+    return True
 
 
 def _num_slots(layout: PagedLayout, kv: torch.Tensor) -> int:

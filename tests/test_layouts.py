@@ -471,6 +471,31 @@ def test_chunk_of_whole_blocks_matches_reference(kind, name, order, head, tail):
     assert torch.equal(mem, expected), "a whole-block copy touched bytes outside its tokens"
 
 
+@pytest.mark.parametrize(("kind", "name"), [("CPU_ATTN", "LBHNC")] + [("FLASH_ATTN", n) for n in VLLM_LAYOUTS])
+def test_layers_of_one_allocation_move_in_one_copy(kind, name):
+    """vLLM's layers are views of one allocation at one layer stride: whole blocks of all
+    layers then move with one copy per run (that path is taken), with the same bytes as
+    layers allocated apart, which are copied one layer at a time."""
+    gen = torch.Generator().manual_seed(17)
+    layers, blocks, heads, n, d = 3, 6, 2, 16, 8
+    layout = make_layout(kind)
+    caches = vllm_kv_caches(
+        name, layers=layers, blocks=blocks, heads=heads, block_size=n, head_size=d, dtype=torch.float32, gen=gen
+    )
+    apart = [kv.clone() for kv in caches]
+    assert layouts.PagedKV(layout, caches)._all_layers is not None
+    assert layouts.PagedKV(layout, apart)._all_layers is None
+    slots = whole_block_slots([4, 1, 2, 5], n, 3, 5)
+    src = rand((2, layers, slots.numel(), heads * d), torch.float32, gen)
+    scatter_chunk(layout, caches, slots, src)
+    scatter_chunk(layout, apart, slots, src)
+    for one, other in zip(caches, apart, strict=True):
+        assert same_bits(one, other)
+    out = torch.empty_like(src)
+    gather_chunk(layout, caches, slots, out)
+    assert same_bits(out, src)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_no_tokens_is_a_no_op(kind):
     gen = torch.Generator().manual_seed(4)
@@ -576,10 +601,13 @@ def _load_vllm_cpu_ops() -> bool:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("isa", "block_size"), [("vec", 32), ("vec", 128), ("vec16", 16), ("vec16", 128)])
+@pytest.mark.parametrize(("isa", "block_size"), [("vec", 32), ("vec", 128), ("vec16", 16), ("vec16", 128),
+                                                 ("amx", 32), ("amx", 128)])
 def test_cpu_layout_matches_vllm_kernel(dtype, isa, block_size):
     if not _load_vllm_cpu_ops():
         pytest.skip("vLLM's CPU kernels are not installed")
+    if isa == "amx" and (dtype != torch.bfloat16 or not torch.cpu._is_amx_tile_supported()):
+        pytest.skip("vLLM's AMX kernel: bfloat16 on a CPU with AMX tiles only")
     gen = torch.Generator().manual_seed(block_size)
     blocks, heads, d, t = 4, 2, 64, 3 * block_size // 2 + 1
     slots = torch.randperm(blocks * block_size, generator=gen)[:t]
@@ -609,13 +637,46 @@ def test_cpu_layout_matches_vllm_kernel(dtype, isa, block_size):
     assert same_bits(ours, kv), "scatter does not write the bytes vLLM's kernel writes"
 
 
+def test_amx_whole_blocks_and_a_partial_one_for_all_layers_match_vllm_kernel():
+    """PagedKV's fast paths on AMX tiles: runs of whole blocks for all layers at once (one
+    allocation, as vLLM allocates it) and a partial last block token by token."""
+    if not _load_vllm_cpu_ops():
+        pytest.skip("vLLM's CPU kernels are not installed")
+    if not torch.cpu._is_amx_tile_supported():
+        pytest.skip("vLLM's AMX kernel needs a CPU with AMX tiles")
+    gen = torch.Generator().manual_seed(7)
+    layers, blocks, heads, n, d = 3, 5, 2, 32, 64
+    flat = torch.zeros(layers, blocks, heads, n, 2 * d, dtype=torch.bfloat16)
+    caches = list(flat.unbind(0))
+    slots = torch.cat([torch.arange(1 * n, 3 * n), torch.arange(4 * n, 4 * n + 9)])  # blocks 1-2, 9 of block 4
+    t = slots.numel()
+    chunk = rand((2, layers, t, heads * d), torch.bfloat16, gen)
+    for layer, kv in enumerate(caches):
+        key_cache, value_cache = kv.view(blocks, heads, 2 * n, d).chunk(2, dim=2)
+        torch.ops._C.cpu_attn_reshape_and_cache(chunk[0, layer].reshape(t, heads, d).contiguous(),
+                                                chunk[1, layer].reshape(t, heads, d).contiguous(),
+                                                key_cache, value_cache, slots, "amx", 1.0, 1.0, "auto")
+    paged = layouts.PagedKV(CpuAttnLayout("amx"), caches)
+    assert paged._all_layers is not None and paged._tiled
+    out = torch.empty_like(chunk)
+    paged.gather(slots, out)
+    assert same_bits(out, chunk), "gather differs from what vLLM's AMX kernel wrote"
+    ours = torch.zeros_like(flat)
+    layouts.PagedKV(CpuAttnLayout("amx"), list(ours.unbind(0))).scatter(slots, chunk)
+    assert same_bits(ours, flat), "scatter does not write the bytes vLLM's AMX kernel writes"
+
+
 def test_cpu_isa_resolution(monkeypatch):
     kv = torch.zeros(2, 1, 32, 128, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="amx"):
-        CpuAttnLayout("amx")
-    monkeypatch.setattr(layouts, "_vllm_cpu_isa", lambda *args: "amx")
-    with pytest.raises(ValueError, match="'amx' attention kernel is not supported"):
+    with pytest.raises(ValueError, match="'neon' attention kernel is not supported"):
+        CpuAttnLayout("neon")
+    monkeypatch.setattr(layouts, "_vllm_cpu_isa", lambda *args: "neon")
+    with pytest.raises(ValueError, match="'neon' attention kernel is not supported"):
         CpuAttnLayout().kv_shape(kv)
+    monkeypatch.setattr(layouts, "_vllm_cpu_isa", lambda *args: "amx")
+    assert CpuAttnLayout().kv_shape(kv) == (2, 1, 32, 64)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        CpuAttnLayout("amx").kv_shape(torch.zeros(2, 1, 32, 48, dtype=torch.bfloat16))
     assert CpuAttnLayout("vec").kv_shape(kv) == (2, 1, 32, 64)  # pinned: no resolution
     monkeypatch.setattr(layouts, "_vllm_cpu_isa", lambda *args: "vec16")
     assert layout_for_backend("CPU_ATTN").kv_shape(kv) == (2, 1, 32, 64)

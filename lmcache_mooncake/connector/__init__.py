@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from lmcache_mooncake import layouts
 from lmcache_mooncake.config import config_from_extra
 from lmcache_mooncake.connector.lookup import LookupClient, lookup_socket_path
 from lmcache_mooncake.connector.metadata import StepMetadata
@@ -114,6 +115,7 @@ class LMCacheMooncakeConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerSide(
                 self.cfg, block_size, LookupClient(socket, self.cfg.lookup_timeout), save=save, load=load,
                 stats_path=self.run_dir / "stats-scheduler.json",
+                load_granularity=layouts.load_granularity(vllm_config),
             )
         else:
             from vllm.distributed.parallel_state import (

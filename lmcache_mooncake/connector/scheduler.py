@@ -116,9 +116,12 @@ def _lora_name(request: Request) -> str | None:
 
 class SchedulerSide:
     def __init__(self, cfg: CacheConfig, block_size: int, lookup: LookupClient, save: bool, load: bool,
-                 stats_path: Path):
+                 stats_path: Path, load_granularity: int = 1):
         self.cfg = cfg
         self.block_size = block_size
+        #: Loads end on a multiple of this many tokens (1: any token; a block where the
+        #: attention kernel cannot start computing inside a block, see layouts.load_granularity).
+        self.load_granularity = max(1, int(load_granularity))
         self.lookup_client = lookup
         self.save_enabled = save
         self.load_enabled = load
@@ -177,6 +180,7 @@ class SchedulerSide:
             return 0, False
         # vLLM must compute at least one prompt token to sample the next one.
         usable = min(hit, prompt_len - 1)
+        usable -= usable % self.load_granularity
         new = max(usable - num_computed_tokens, 0)
         logger.debug(
             "request %s: %d prompt tokens, %d cached in tiers, %d computed locally, loading %d",
