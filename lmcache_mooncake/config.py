@@ -130,6 +130,9 @@ class CacheConfig:
     local_cpu: bool = True
     #: GiB of CPU memory for chunks. Also the staging buffer for the disk tier.
     max_local_cpu_size: float = 2.0
+    #: Touch every page of that CPU memory once when the worker starts, so no
+    #: load pays for first-touch page faults (RSS shows the whole pool from the start).
+    prefault_cpu_tier: bool = True
     #: Folder of the persistent disk tier; null turns the disk tier off.
     local_disk: str | None = None
     #: GiB of disk the disk tier may use; the oldest chunks are evicted past it.

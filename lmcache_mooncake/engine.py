@@ -34,7 +34,7 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.metadata import LMCacheMetadata
 from lmcache.v1.token_database import TokenDatabase
 
-from lmcache_mooncake import layouts
+from lmcache_mooncake import layouts, prefault
 from lmcache_mooncake.config import CacheConfig, MooncakeConfig
 from lmcache_mooncake.keys import KeyNamespace, chunk_keys
 from lmcache_mooncake.store.client import StoreEndpoint
@@ -257,6 +257,8 @@ def build_engine(
     )
     engine.token_database = ChunkKeyDatabase(namespace, metadata, cfg.save_unfull_chunk)
     engine.post_init()
+    if cfg.prefault_cpu_tier:  # before any chunk is stored: the touch writes zeros
+        ctx.prefault = prefault.prefault_cpu_tier(engine)
     return engine
 
 

@@ -24,8 +24,8 @@ NS = KeyNamespace("m", "float32", L, H, D, 256)
 _ids = itertools.count()
 
 
-def make_engine(disk, cpu_gib=0.05, secret_file=None):
-    cfg = CacheConfig(max_local_cpu_size=cpu_gib, local_disk=str(disk),
+def make_engine(disk, cpu_gib=0.05, secret_file=None, prefault=True):
+    cfg = CacheConfig(max_local_cpu_size=cpu_gib, local_disk=str(disk), prefault_cpu_tier=prefault,
                       chunk_auth_key_file=None if secret_file is None else str(secret_file))
     layout = layouts.layout_for_backend("CPU_ATTN")
     name = f"test-{next(_ids)}"
@@ -144,7 +144,57 @@ def check_lookup_names_the_tier_each_chunk_was_found_in(tmp_path, kv):
         engine.close_engine(reader, rname)
 
 
+def _allocate_untouched(size: int) -> tuple[torch.Tensor, int]:
+    """LMCache's CPU pool allocation without its first-touch ``fill_(0)``: as a lazy
+    allocator (or another LMCache version) would leave it, mapped but not resident."""
+    from lmcache.v1.platform.torch_ops import mem_alloc
+
+    backing = torch.empty(size + mem_alloc._PAGE_SIZE, dtype=torch.uint8)
+    offset = (-backing.data_ptr()) % mem_alloc._PAGE_SIZE
+    view = backing[offset : offset + size]
+    return view, view.data_ptr()
+
+
+def check_prefault_makes_the_cpu_pool_resident(tmp_path, kv):
+    import psutil
+    from lmcache.v1.platform.torch_ops import mem_alloc
+
+    from lmcache_mooncake import prefault
+
+    mem_alloc._alloc_page_aligned_pinned_view = _allocate_untouched
+    pool_bytes = 256 << 20
+    proc = psutil.Process()
+    for on in (False, True):
+        rss0 = proc.memory_info().rss
+        eng, name = make_engine(tmp_path / str(on), cpu_gib=pool_bytes / 2**30, prefault=on)
+        try:
+            grown = proc.memory_info().rss - rss0
+            pool = prefault.cpu_pool(eng)
+            assert pool is not None and pool.numel() == pool_bytes, pool
+            done = engine.context(name).prefault
+            if not on:  # the control: without the touch the pool is not resident
+                assert done is None
+                assert grown < pool_bytes // 4, grown
+                continue
+            assert done.bytes == pool_bytes and done.newly_resident > 0.9 * pool_bytes, done
+            assert grown > 0.9 * pool_bytes, grown
+            # The touched pool still stores and loads bit-exact.
+            tokens, slots = torch.arange(600) + 5, torch.randperm(B * N)[:600]
+            rc = engine.request_configs(None, None)
+            eng.store(tokens, mask=None, kvcaches=kv, slot_mapping=slots, request_configs=rc)
+            assert engine.drain(eng, 30)
+            out = [torch.zeros_like(t) for t in kv]
+            assert bool(eng.retrieve(tokens, mask=None, kvcaches=out, slot_mapping=slots, request_configs=rc).all())
+            flat_in, flat_out = torch.empty(2, L, 600, H * D), torch.empty(2, L, 600, H * D)
+            layouts.gather_chunk(eng.gpu_connector.layout, kv, slots, flat_in)
+            layouts.gather_chunk(eng.gpu_connector.layout, out, slots, flat_out)
+            assert torch.equal(flat_in, flat_out)
+        finally:
+            engine.close_engine(eng, name)
+
+
 CHECKS = {
+    "prefault_makes_the_cpu_pool_resident": check_prefault_makes_the_cpu_pool_resident,
     "store_then_fresh_engine_loads_bit_exact": check_store_then_fresh_engine_loads_bit_exact,
     "damaged_file_stops_the_lookup_prefix": check_damaged_file_stops_the_lookup_prefix,
     "chunks_sealed_with_another_secret_are_misses": check_chunks_sealed_with_another_secret_are_misses,
