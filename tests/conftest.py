@@ -6,12 +6,18 @@ A module that needs another model or store defines its own ``model`` or
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from lmcache_mooncake.store.launcher import StoreSpec, start_store, stop_store
 from lmcache_mooncake.testing.models import ModelSpec, build_model
+
+# Offline vLLM runs (testing.offline) keep vLLM's engine and worker in one process: each
+# process start imports vLLM again (about 14 s on two cores), and the suite starts dozens.
+# Served instances (vllm serve) keep vLLM's three processes. 0 runs the offline ones that way too.
+os.environ.setdefault("LMCACHE_MOONCAKE_VLLM_IN_PROCESS", "1")
 
 
 def pytest_addoption(parser) -> None:

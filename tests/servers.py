@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from lmcache_mooncake import procs
 
 
@@ -30,3 +32,16 @@ class Server:
         """SIGKILL the process and everything it started."""
         if self.proc is not None:
             procs.stop_group(self.proc)
+
+
+def xfail_if_tcp_put_stalled(cached: int, writer_log: Path, when: str = "") -> None:
+    """An expected failure when nothing was loaded (``cached`` 0) and the tcp-mode writer's log
+    has a timed-out put: Mooncake 0.3.13.post1's TCP transport held it (docs/reliability.md,
+    "Mooncake's TCP stall"). Call it after checking the tokens; any other outcome goes on."""
+    text = writer_log.read_text()
+    if cached == 0 and "batch_put_from did not finish" in text:
+        # The store client's watcher said, while the put ran, what the writer's threads were doing.
+        seen = [line.split("Mooncake ", 1)[-1] for line in text.splitlines()
+                if " has run " in line or "what every thread was doing" in line]
+        pytest.xfail(f"the tcp-mode prefill's put stalled in Mooncake's TCP transport{when}"
+                     + (f"; {' / '.join(seen)[:1500]}" if seen else ""))

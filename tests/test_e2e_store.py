@@ -201,7 +201,9 @@ def test_store_smaller_than_working_set_evicts_and_stays_correct(model, tmp_path
 
 def test_producer_then_consumer_roles(model, store, baseline, tmp_path):
     prompts = PROMPTS
-    prod = spec_for(model, store, tmp_path / "p-run", kv_role="kv_producer")
+    # vLLM's three-process layout: its engine process steps on after an answer, which is when a
+    # held request is seen durable; in one process nothing steps between batches.
+    prod = spec_for(model, store, tmp_path / "p-run", kv_role="kv_producer", in_process=False)
     with Instance(prod, tmp_path / "p") as inst:
         res_p = inst.run(prompts)
         inst.stop()

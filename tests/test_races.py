@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from lmcache_mooncake import chunk_format
 
-role, kind, where, start_at = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+role, kind, where, go = sys.argv[1], sys.argv[2], sys.argv[3], Path(sys.argv[4])
 L, H, D, T, KEYS, ROUNDS = %(dims)s
 
 def chunk(writer):
@@ -84,6 +84,10 @@ else:
         except FileNotFoundError:
             return None
 
+print("READY", flush=True)  # imported and connected; the parent then names the start time
+while not go.exists():
+    time.sleep(0.005)
+start_at = float(go.read_text())
 while time.time() < start_at:
     time.sleep(0.001)
 if role in ("0", "1"):
@@ -133,12 +137,35 @@ else:
 """
 
 
-def race(kind: str, where: Path) -> list[str]:
+def start_children(roles: list[str], kind: str, where: Path, go: Path) -> list[subprocess.Popen]:
+    """Start one child per role and wait until each has imported and connected (it prints READY)."""
     code = CHILD % {"dims": repr((L, H, D, T, KEYS, ROUNDS))}
-    start_at = time.time() + 8.0  # after every child has imported torch and connected
-    procs = [subprocess.Popen([sys.executable, "-c", code, role, kind, str(where), str(start_at)],
+    procs = [subprocess.Popen([sys.executable, "-c", code, role, kind, str(where), str(go)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
-             for role in ("0", "1", "reader")]
+             for role in roles]
+    for p in procs:  # a fixed head start is not enough: imports took 9 s on a slow CI machine
+        line = p.stdout.readline()
+        while line and line.strip() != "READY":
+            line = p.stdout.readline()
+        if not line:
+            p.wait(timeout=60)
+            raise AssertionError(f"a child exited before it was ready: {p.stderr.read()[-3000:]}")
+    return procs
+
+
+def go_at(go: Path, delay: float) -> float:
+    """Tell every waiting child to start ``delay`` seconds from now (written atomically)."""
+    start_at = time.time() + delay
+    tmp = go.with_suffix(".tmp")
+    tmp.write_text(repr(start_at))
+    tmp.rename(go)
+    return start_at
+
+
+def race(kind: str, where: Path) -> list[str]:
+    go = where.parent / f"go-{kind}"
+    procs = start_children(["0", "1", "reader"], kind, where, go)
+    go_at(go, 0.5)
     outs = []
     for p in procs:
         out, err = p.communicate(timeout=120)
@@ -167,18 +194,17 @@ def test_two_writers_and_a_reader_on_the_same_disk_chunks(tmp_path):
 
 def kill_mid_save(kind: str, where: Path) -> str:
     """SIGKILL a writer 0.2 s into its writes (its first pass, or a rewrite), then read every key once."""
-    code = CHILD % {"dims": repr((L, H, D, T, KEYS, ROUNDS))}
-    start_at = time.time() + 8.0
-    writer = subprocess.Popen([sys.executable, "-c", code, "0", kind, str(where), str(start_at)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    go = where.parent / f"go-{kind}"
+    (writer,) = start_children(["0"], kind, where, go)
+    start_at = go_at(go, 0.1)
     time.sleep(max(start_at + 0.2 - time.time(), 0))
     assert writer.poll() is None, "the writer finished before it was killed"
     writer.kill()
     writer.communicate(timeout=30)
-    check = subprocess.run([sys.executable, "-c", code, "check", kind, str(where), str(time.time())],
-                           capture_output=True, text=True, cwd=REPO, timeout=120)
-    assert check.returncode == 0 and "OK" in check.stdout, check.stdout + check.stderr[-3000:]
-    return check.stdout.strip().splitlines()[-1]
+    (check,) = start_children(["check"], kind, where, go)  # the go file is there: it starts at once
+    out, err = check.communicate(timeout=120)
+    assert check.returncode == 0 and "OK" in out, out + err[-3000:]
+    return out.strip().splitlines()[-1]
 
 
 def test_writer_killed_mid_save_leaves_no_partial_store_object(store):

@@ -156,9 +156,10 @@ def soak(request, tmp_path_factory) -> dict:
             if not maps_at_warm and time.monotonic() >= max(warm_at or 1e18, t0 + 0.25 * minutes * 60):
                 maps_at_warm = {n: mapping_rss(pid) for n, pid in vllm_pids.items()}
             time.sleep(1.0)
-        for n, pid in vllm_pids.items():  # where any growth after warm-up lies
-            print(f"soak: {n} mappings grown after warm-up: "
-                  f"{grown_mappings(maps_at_warm.get(n, {}), mapping_rss(pid)) or 'none'}")
+        grown = {n: grown_mappings(maps_at_warm.get(n, {}), mapping_rss(pid)) or "none"
+                 for n, pid in vllm_pids.items()}  # where any growth after warm-up lies
+        for n, where in grown.items():
+            print(f"soak: {n} mappings grown after warm-up: {where}")
         stop.set()
         sampler.join()
         assert not load.errors, load.errors[:3]
@@ -172,11 +173,14 @@ def soak(request, tmp_path_factory) -> dict:
         # Memory after warm-up: the mean of the first 5 samples past it against the last 5.
         after = [row for t, row in samples if t >= warm_at]
         assert len(after) >= 10, len(after)
-        growth = {}
+        growth, grew = {}, {}
         for name in after[0]:
             first = sum(r[name] for r in after[:5]) / 5
             last = sum(r[name] for r in after[-5:]) / 5
             growth[name] = (last - first) / first if first else 0.0
+            grew[name] = (f"{first / MiB:.0f} -> {last / MiB:.0f} MiB ({growth[name]:+.1%}), "
+                          f"{len(after)} samples after {warm_at - t0:.0f} s of warm-up; "
+                          f"mappings grown: {grown.get(name, 'not sampled')}")
         mid = after[len(after) // 2]
         print(f"soak: {len(load.sent)} requests in {minutes:g} min, warm-up {warm_at - t0:.0f} s; RSS at warm-up / "
               "half-way / end (growth): " + ", ".join(
@@ -206,7 +210,7 @@ def soak(request, tmp_path_factory) -> dict:
 
     ref = run_instance(RunSpec(model=str(model), prompts=sample, kv_role=None, prefix_caching=False,
                                max_tokens=4), tmp_path / "ref")
-    return {"growth": growth, "counters": c, "served": served, "recomputed": [r.output_ids for r in ref]}
+    return {"growth": growth, "grew": grew, "counters": c, "served": served, "recomputed": [r.output_ids for r in ref]}
 
 
 def test_sample_after_soak_matches_recompute(soak):
@@ -220,4 +224,5 @@ def test_nothing_pinned_in_cpu_tier_after_requests_end(soak):
 
 
 def test_resident_memory_flat_after_warm_up(soak):
-    assert all(g < 0.05 for g in soak["growth"].values()), soak["growth"]
+    grown = {n: soak["grew"][n] for n, g in soak["growth"].items() if g >= 0.05}
+    assert not grown, "; ".join(f"{n}: {what}" for n, what in grown.items())

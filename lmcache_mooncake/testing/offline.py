@@ -53,6 +53,16 @@ class RunSpec:
     prefix_caching: bool = True
     env: dict[str, str] = field(default_factory=dict)
     timeout_s: float = 600.0
+    #: Run vLLM's engine and worker inside this one process
+    #: (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) instead of three processes; None:
+    #: as ``LMCACHE_MOONCAKE_VLLM_IN_PROCESS=1`` says (the tests set it: each
+    #: process start imports vLLM again, about 14 s on two cores). The
+    #: connector's code is the same; its scheduler and worker sides then share
+    #: a process, so a run measuring speed keeps the default layout. Nothing
+    #: steps vLLM between batches in one process: a producer's held requests
+    #: are then seen durable only when a later batch steps vLLM (never, after
+    #: the last one), so a test that counts them keeps the default layout.
+    in_process: bool | None = None
     #: Send each batch to vLLM as one ``generate`` call (vLLM schedules its
     #: requests together) instead of one request at a time. Each result's
     #: ``ttft_s`` is then the batch's wall time divided among its requests.
@@ -101,10 +111,19 @@ class Instance:
         (self.work_dir / "stop").unlink(missing_ok=True)
         (self.work_dir / "spec.json").write_text(json.dumps(asdict(spec)))
         self.log_path = self.work_dir / "vllm.log"
+        env = vllm_env(self.work_dir, spec.env, spec.kv_cache_gib)
+        in_process = spec.in_process
+        if in_process is None:
+            in_process = os.environ.get("LMCACHE_MOONCAKE_VLLM_IN_PROCESS") == "1"
+        if in_process:
+            env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            # The engine's start would cut torch to one thread for the whole process, the
+            # forward included; vLLM's own worker process computes with one per core.
+            env.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
         self.proc = procs.spawn(
             [sys.executable, "-m", "lmcache_mooncake.testing.offline", str(self.work_dir)],
             self.log_path,
-            env=vllm_env(self.work_dir, spec.env, spec.kv_cache_gib),
+            env=env,
         )
         self._batches = 0
 
@@ -172,6 +191,36 @@ def run_instance(spec: RunSpec, work_dir: Path | None = None) -> list[PromptResu
     return results
 
 
+def _let_vllm_scan_llvmlite() -> None:
+    """Work around vLLM 0.32 and llvmlite in one process (in-process runs only).
+
+    At worker start vLLM's CPU platform rebinds its Triton kernels to C++ ones
+    (``vllm.triton_utils.dispatcher``): it walks every loaded module and asks
+    each object for ``__dict__``. llvmlite's library wrapper (imported through
+    LMCache and numba when vLLM loads our connector class) answers any
+    attribute with a function wrapper, and the walk fails with "'_lib_fn_wrapper'
+    object has no attribute 'get'". In vLLM's default layout the worker is a
+    fresh process that has not imported LMCache yet, so only in-process runs
+    meet it. Here the wrapper says it has no dunder attributes.
+    """
+    try:
+        from llvmlite.binding import ffi
+    except ImportError:
+        return
+    cls = ffi._lib_wrapper
+    if getattr(cls, "_lmcm_patched", False):
+        return
+    answer = cls.__getattr__
+
+    def __getattr__(self: Any, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return answer(self, name)
+
+    cls.__getattr__ = __getattr__
+    cls._lmcm_patched = True
+
+
 def _child(work_dir: str) -> None:
     from vllm import LLM, SamplingParams
 
@@ -187,6 +236,8 @@ def _child(work_dir: str) -> None:
         seed=0,
         enable_prefix_caching=spec.prefix_caching,
     )
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+        _let_vllm_scan_llvmlite()
     if spec.kv_role is not None:
         kwargs["kv_transfer_config"] = connector_config(spec.kv_role, spec.extra_config)
     llm = LLM(**kwargs)
