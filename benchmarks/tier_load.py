@@ -2,9 +2,10 @@
 
 No vLLM: the connector's own engine (:func:`lmcache_mooncake.engine.build_engine`,
 LMCache with our copier, keys and tiers) against paged KV tensors in vLLM's
-CPU layout, in the Qwen2-0.5B geometry (24 layers, 2 KV heads of 64,
-float32, blocks of 128). One prompt of ``--tokens`` tokens is stored, then
-loaded back into other blocks:
+CPU layout (one allocation viewed per layer, as vLLM's model runner makes
+them), in the Qwen2-0.5B geometry (24 layers, 2 KV heads of 64, float32,
+blocks of 128). One prompt of ``--tokens`` tokens is stored, then loaded
+back into other blocks:
 
 - ``cpu``: the same engine (its CPU tier), so one copy per chunk;
 - ``disk``, ``store-shm``, ``store-tcp``: a fresh engine with only that tier
@@ -42,6 +43,7 @@ L, H, D, N = 24, 2, 64, 128
 def child(args: argparse.Namespace) -> None:
     """One engine in this process: save (role writer) or load (role reader) and print JSON timings."""
     import torch
+    from layout_copy import vllm_kv_caches
 
     from lmcache_mooncake import engine, layouts
     from lmcache_mooncake.config import CacheConfig, MooncakeConfig
@@ -50,7 +52,11 @@ def child(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     tokens = torch.arange(args.tokens) % 2000 + 7
     blocks = -(-args.tokens // N)
-    kv = [torch.zeros(blocks * 2 + 4, H, N, 2 * D) for _ in range(L)]
+    # One allocation viewed per layer, as vLLM's model runner allocates it (and zeroed,
+    # as vLLM's is), so the copies see vLLM's strides.
+    kv = vllm_kv_caches("LBHNC", L, blocks * 2 + 4, H, N, D, torch.float32, torch.device("cpu"))
+    for layer in kv:
+        layer.zero_()
     mc = None
     if args.tier.startswith("store"):
         mc = MooncakeConfig(store_dir=args.store_dir, mode="tcp" if args.tier == "store-tcp" else "auto",

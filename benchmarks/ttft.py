@@ -35,6 +35,7 @@ Rows (``--peers`` chooses the peers; all by default):
   (``/reset_prefix_cache``, ``VLLM_SERVER_DEV_MODE=1``) before each repeat.
 
     .venv/bin/python benchmarks/ttft.py [--quick] [--peers mooncake,example,lmcache,offloading,simple-cpu] [--json PATH]
+    .venv/bin/python benchmarks/ttft.py --bases 8192 --readers disk,store-shm --peers mooncake --no-concurrent
 
 ``--quick`` uses a small model and shorter prompts (a smoke run in minutes).
 Prints a table, writes JSON and a PNG under ``benchmarks/results/``.
@@ -80,6 +81,14 @@ class Run:
     memcpy_gbps: float = 0.0
     load_stats: dict[str, dict[str, int]] = field(default_factory=dict)
     profile: dict[str, float] = field(default_factory=dict)
+
+
+#: ``--readers`` names -> the row label of our fresh-process readers.
+READERS = {
+    "disk": "ours, disk tier, fresh process",
+    "store-shm": "ours, store (shm), fresh process",
+    "store-tcp": "ours, store (tcp), fresh process",
+}
 
 
 # -- servers ---------------------------------------------------------------------------
@@ -292,6 +301,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peers-only", action="store_true",
                     help="run plain vLLM (recompute and the floor) and the peers, not our configurations")
     ap.add_argument("--replot", type=Path, default=None, help="print the table and redraw the plot of a JSON result")
+    ap.add_argument("--bases", default=None,
+                    help="comma-separated block-aligned lengths; each also runs one token past it "
+                    "(default 2048,4096,8192; --quick: 512,1024). E.g. --bases 8192 for the 8,192/8,193 rows only")
+    ap.add_argument("--readers", default=",".join(READERS),
+                    help=f"our fresh-process readers to run, comma-separated from {','.join(READERS)}; '' for none")
+    ap.add_argument("--no-concurrent", action="store_true",
+                    help="skip the short-request-during-a-long-load measurement")
     args = ap.parse_args(argv)
     if args.replot:
         replot(args.replot)
@@ -307,6 +323,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model = str(build_model(ModelSpec(arch="qwen2", size="0.5b", seed=0, max_position_embeddings=16384)))
         bases = [2048, 4096, 8192]
+    if args.bases:
+        bases = [int(b) for b in args.bases.split(",") if b]
+    readers_wanted = [r for r in args.readers.split(",") if r]
+    unknown = sorted(set(readers_wanted) - set(READERS))
+    if unknown:
+        ap.error(f"--readers: unknown {', '.join(unknown)}; choose from {', '.join(READERS)}")
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     rng = random.Random(0)
     families = {b: [rng.randrange(10, vocab - 10) for _ in range(b + 1)] for b in bases}
@@ -436,12 +458,13 @@ def main(argv: list[str] | None = None) -> int:
         s.stop()
 
         # 3. fresh readers, one tier each; one process for the one-past prompts, one for the aligned.
-        readers = {
-            "ours, disk tier, fresh process": write_config(work / "disk.yaml", disk=disk, store=None),
-            "ours, store (shm), fresh process": write_config(work / "shm.yaml", disk=None, store=shm_store),
-            "ours, store (tcp), fresh process": write_config(work / "tcp.yaml", disk=None, store=tcp_store),
+        configs = {
+            "disk": write_config(work / "disk.yaml", disk=disk, store=None),
+            "store-shm": write_config(work / "shm.yaml", disk=None, store=shm_store),
+            "store-tcp": write_config(work / "tcp.yaml", disk=None, store=tcp_store),
         }
-        for label, cfg in readers.items():
+        for reader in readers_wanted:
+            label, cfg = READERS[reader], configs[reader]
             for which in ("past", "aligned"):
                 name = f"{label.split(',')[1].strip().replace(' ', '-').replace('(', '').replace(')', '')}-{which}"
                 rdir = work / name / "run"
@@ -461,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         # 4. a short request sent while a long prompt loads, with loads synchronous and asynchronous.
         longest = families[max(bases)]
         short = [rng.randrange(10, vocab - 10) for _ in range(64)]
-        for mode in ("sync", "async"):
+        for mode in () if args.no_concurrent else ("sync", "async"):
             name = f"concurrent-{mode}"
             cfg = write_config(work / f"{name}.yaml", disk=disk, store=None)
             s = Server(name, model, work, ours(cfg, run_dir=str(work / name / "run"),
