@@ -11,7 +11,10 @@ that fails its check is a miss, is counted, logged and removed. Reads go
 straight into LMCache's buffer (``readinto``) and are checked there: one copy.
 With ``verify_on_lookup`` a lookup reads and checks each chunk it has not
 checked before and keeps it in the CPU tier, so the load that follows copies
-it once into paged KV and reads nothing again. Writes go to a temporary file
+it once into paged KV and reads nothing again. The chunks of one lookup (or
+one load) are read and checked by a few threads at once, one per core the
+process may use (:data:`READ_THREADS` at most): each read is a copy out of the
+page cache, which runs at one core's memory bandwidth. Writes go to a temporary file
 (the header and the payload as it lies in LMCache's buffer) and are renamed
 into place, so a crash never leaves a half-written file under a valid name.
 The folder is bounded by ``max_local_disk_size``: past it the least recently
@@ -25,6 +28,7 @@ import os
 import struct
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,13 +36,15 @@ from typing import Any
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 
-from lmcache_mooncake import chunk_format, keys, namespaces
+from lmcache_mooncake import affinity, chunk_format, keys, namespaces
 from lmcache_mooncake.tiers.base import VerifiedTier
 
 logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "lmcm_disk"
 SUFFIX = keys.FILE_SUFFIX
+#: Most threads that read and check the chunks of one lookup or load at once.
+READ_THREADS = 4
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,11 @@ class DiskTierConnector(VerifiedTier):
         # Oldest-written first; sizes, for the disk budget.
         self._sizes: OrderedDict[str, int] = OrderedDict()
         self._total = 0
+        # Readers of one lookup's or load's chunks (None: one core, read in the caller's thread).
+        n = min(READ_THREADS, len(affinity.process_cpus()))
+        self._readers = (ThreadPoolExecutor(n, thread_name_prefix="lmcm-disk-read",
+                                            initializer=affinity.widen_current_thread,
+                                            initargs=("lmcm-disk-read",)) if n > 1 else None)
         self._scan()
         logger.info(
             "disk tier at %s: %d chunks, %.1f MiB of %.1f MiB",
@@ -182,26 +193,36 @@ class DiskTierConnector(VerifiedTier):
 
     # -- VerifiedTier --------------------------------------------------------
     def _contains_prefix(self, keys_: list[CacheEngineKey]) -> int:
+        """How many leading keys have a file here (checked, with ``verify_on_lookup``)."""
         self.stats.add("disk_lookups")
-        hits = 0
+        found: list[tuple[CacheEngineKey, Path]] = []
+        unchecked: list[int] = []
         for key in keys_:
-            if not self._contains(key):
+            try:
+                path = self._path(key)
+                st = path.stat()
+            except (FileNotFoundError, ValueError):
                 break
-            hits += 1
-        return hits
+            if self.verify_on_lookup:
+                with self._lock:
+                    known = self._verified.get(str(path))
+                if known != (st.st_size, st.st_mtime_ns):
+                    unchecked.append(len(found))
+            found.append((key, path))
+        ok = self._map(lambda i: self._check(*found[i]), unchecked)
+        for i, good in zip(unchecked, ok, strict=True):
+            if not good:
+                return i
+        return len(found)
 
-    def _contains(self, key: CacheEngineKey) -> bool:
-        try:
-            path = self._path(key)
-            st = path.stat()
-        except (FileNotFoundError, ValueError):
-            return False
-        if not self.verify_on_lookup:
-            return True
-        with self._lock:
-            known = self._verified.get(str(path))
-        if known == (st.st_size, st.st_mtime_ns):
-            return True
+    def _map(self, fn: Any, items: list) -> list:
+        """``[fn(x) for x in items]``, on the reader threads when there are several items."""
+        if self._readers is None or len(items) < 2:
+            return [fn(x) for x in items]
+        return list(self._readers.map(fn, items))
+
+    def _check(self, key: CacheEngineKey, path: Path) -> bool:
+        """Read and check the chunk at ``path`` (a lookup): kept in the CPU tier when there is room."""
         # Checked once, and kept in the CPU tier for the load that follows.
         obj = self._read_verified(path, key, busy_loop=False)
         if obj is None:
@@ -215,18 +236,17 @@ class DiskTierConnector(VerifiedTier):
         return True
 
     def _get_sync(self, keys_: list[CacheEngineKey]) -> list[MemoryObj | None]:
-        out: list[MemoryObj | None] = []
-        for key in keys_:
-            try:
-                path = self._path(key)
-            except ValueError:
-                out.append(None)
-                continue
-            obj = self._read_verified(path, key)
-            if obj is not None:
-                self.stats.add("disk_hits")
-            out.append(obj)
-        return out
+        return self._map(self._get_one, keys_)
+
+    def _get_one(self, key: CacheEngineKey) -> MemoryObj | None:
+        try:
+            path = self._path(key)
+        except ValueError:
+            return None
+        obj = self._read_verified(path, key)
+        if obj is not None:
+            self.stats.add("disk_hits")
+        return obj
 
     def _put_sync(self, keys_: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
         for key, obj in zip(keys_, memory_objs, strict=True):
@@ -280,6 +300,8 @@ class DiskTierConnector(VerifiedTier):
         return [Path(p).name for p in self._sizes]
 
     async def close(self) -> None:
+        if self._readers is not None:
+            self._readers.shutdown(wait=True)
         logger.info("disk tier closed (%d chunks on disk)", len(self._sizes))
 
     def remove_sync(self, key: CacheEngineKey) -> bool:
