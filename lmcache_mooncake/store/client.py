@@ -512,16 +512,19 @@ class StoreClient(StagedTransfers, DirectGets):
         other process, so one small object (at most 4 MiB of store memory, removed at once)
         is put from the region and got into each slice of it in turn. About 0.9 ms per MiB,
         at connect; best effort: anything failing only leaves the faults to the first loads.
+        It stops after half the client's timeout (2 s at most): a reconnection runs it while
+        a caller waits, and the setup around it must still fit that caller's timeout.
         """
         piece = min(4 << 20, size)
         key = f"lmcm/_prefault/{os.getpid()}-{id(self):x}-{time.monotonic_ns():x}"
         t0 = time.monotonic()
+        budget = min(2.0, self.timeout_s / 2)
         try:
             if list(store.batch_put_from([key], [ptr], [piece])) != [0]:
                 return
             try:
                 for off in range(0, size - piece + 1, piece):
-                    if store.batch_get_into([key], [ptr + off], [piece])[0] != piece or time.monotonic() - t0 > 2.0:
+                    if store.batch_get_into([key], [ptr + off], [piece])[0] != piece or time.monotonic() - t0 > budget:
                         return
             finally:
                 store.batch_remove([key], True)
