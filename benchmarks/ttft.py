@@ -49,6 +49,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -82,6 +83,9 @@ class Run:
     load_stats: dict[str, dict[str, int]] = field(default_factory=dict)
     profile: dict[str, float] = field(default_factory=dict)
 
+
+#: Row labels of the short-request-during-a-long-load measurement: their own table, not the plot.
+CONCURRENT_ROWS = ("short request", "long prompt with")
 
 #: ``--readers`` names -> the row label of our fresh-process readers.
 READERS = {
@@ -308,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"our fresh-process readers to run, comma-separated from {','.join(READERS)}; '' for none")
     ap.add_argument("--no-concurrent", action="store_true",
                     help="skip the short-request-during-a-long-load measurement")
+    ap.add_argument("--concurrent-trials", type=int, default=3,
+                    help="fresh servers per loading mode for the short-request-during-a-long-load measurement "
+                    "(default 3; medians are reported)")
     args = ap.parse_args(argv)
     if args.replot:
         replot(args.replot)
@@ -487,22 +494,40 @@ def main(argv: list[str] | None = None) -> int:
                 s.stop()
 
         # 4. a short request sent while a long prompt loads, with loads synchronous and asynchronous.
+        # One 64-token request takes 100-600 ms here and varies by up to ~200 ms from one server to
+        # the next, so each mode runs --concurrent-trials fresh servers (the long prompt must load
+        # from disk each time): per server, three short requests alone, then one 20 ms after the
+        # long prompt; the delay is that one against the same server's alone median.
         longest = families[max(bases)]
-        short = [rng.randrange(10, vocab - 10) for _ in range(64)]
         for mode in () if args.no_concurrent else ("sync", "async"):
-            name = f"concurrent-{mode}"
-            cfg = write_config(work / f"{name}.yaml", disk=disk, store=None)
-            s = Server(name, model, work, ours(cfg, run_dir=str(work / name / "run"),
-                                               async_loading=(mode == "async")), False, max_len)
-            servers.append(s)
-            alone, _ = s.ttft(short)  # the short prompt alone (it is computed: nothing cached)
-            run.rows.append(Measure(f"short request alone ({mode} loads)", len(short), alone, 0))
-            lat = _short_during_load(s, longest, [rng.randrange(10, vocab - 10) for _ in range(64)])
-            run.rows.append(Measure(f"short request while {len(longest)} tokens load ({mode} loads)",
-                                    64, lat[0], 0, note=f"long prompt took {lat[1] * 1000:.0f} ms"))
-            print(f"  short request: alone {alone * 1000:.0f} ms, during a {len(longest)}-token load "
-                  f"{lat[0] * 1000:.0f} ms ({mode} loads; the load took {lat[1] * 1000:.0f} ms)", flush=True)
-            s.stop()
+            alone, during, long_s, delay = [], [], [], []
+            for trial in range(args.concurrent_trials):
+                name = f"concurrent-{mode}-{trial}"
+                cfg = write_config(work / f"{name}.yaml", disk=disk, store=None)
+                s = Server(name, model, work, ours(cfg, run_dir=str(work / name / "run"),
+                                                   async_loading=(mode == "async")), False, max_len)
+                servers.append(s)
+                # Short prompts are new each time (computed: nothing cached).
+                alone += [s.ttft([rng.randrange(10, vocab - 10) for _ in range(64)])[0] for _ in range(3)]
+                lat = _short_during_load(s, longest, [rng.randrange(10, vocab - 10) for _ in range(64)])
+                during.append(lat[0])
+                long_s.append(lat[1])
+                # Servers differ by up to ~200 ms on the same short request: compare within one.
+                delay.append(lat[0] - statistics.median(alone[-3:]))
+                s.stop()
+                print(f"  short request ({mode} loads, trial {trial + 1}): alone {_ms(alone[-3:])} ms, during a "
+                      f"{len(longest)}-token load {lat[0] * 1000:.0f} ms (the load took {lat[1] * 1000:.0f} ms)",
+                      flush=True)
+            med = statistics.median
+            run.rows.append(Measure(f"short request alone ({mode} loads)", 64, med(alone), 0,
+                                    note=f"median of {len(alone)}: {_ms(alone)} ms"))
+            run.rows.append(Measure(f"short request while {len(longest)} tokens load ({mode} loads)", 64,
+                                    med(during), 0, note=f"median of {len(during)}: {_ms(during)} ms; the long "
+                                    f"prompt took {_ms(long_s)} ms"))
+            run.rows.append(Measure(f"long prompt with a short one ({mode} loads)", len(longest), med(long_s), 0,
+                                    note=f"median of {len(long_s)}"))
+            run.rows.append(Measure(f"short request delayed by the load ({mode} loads)", 64, med(delay), 0,
+                                    note=f"median over servers of (during - alone): {_ms(delay)} ms"))
 
         # 5. peers.
         run_peers()
@@ -558,6 +583,10 @@ def lmcache_server(work: Path) -> Any:
             lm.wait()
 
 
+def _ms(values: list[float]) -> str:
+    return "/".join(f"{v * 1000:.0f}" for v in values)
+
+
 def _short_during_load(server: Server, long_prompt: list[int], short: list[int]) -> tuple[float, float]:
     """Send ``long_prompt`` (cached: it loads), then ``short`` 20 ms later; their latencies."""
     import threading
@@ -587,7 +616,9 @@ def _bytes_per_token(stats: dict[str, float]) -> int:
 
 
 def print_table(run: Run, kv_bytes_per_token: int) -> None:
-    configs = list(dict.fromkeys(m.config for m in run.rows))
+    # (the delay row is during - alone within each server, so it can be below 0)
+    concurrent = [m for m in run.rows if m.config.startswith(CONCURRENT_ROWS)]
+    configs = [c for c in dict.fromkeys(m.config for m in run.rows) if not c.startswith(CONCURRENT_ROWS)]
     lengths = sorted(set(run.lengths))
     floor = {m.prompt_tokens: m.ttft_s for m in run.rows if m.config.startswith("vLLM prefix cache")}
     peer = {m.prompt_tokens: m.ttft_s for m in run.rows if m.config == "vLLM MooncakeStoreConnector, fresh process"}
@@ -612,6 +643,10 @@ def print_table(run: Run, kv_bytes_per_token: int) -> None:
                 m = next((m for m in run.rows if m.config == c and m.prompt_tokens == n), None)
                 if m and n in peer:
                     print(f"  {c} at {n}: {m.ttft_s / peer[n]:.2f} x MooncakeStoreConnector")
+    if concurrent:
+        print("\na short (64-token) request and a long prompt loading from disk (medians over fresh servers):")
+        for m in concurrent:
+            print(f"  {m.config:52s} {m.ttft_s * 1000:7.0f} ms  ({m.note})")
     print(f"\nplain memory copy in this run: {run.memcpy_gbps:.2f} GB/s; KV {kv_bytes_per_token} bytes/token")
     if run.profile:
         print("profile of the worker during the longest cached load from the disk tier (py-spy, 200 Hz, s):")
@@ -629,7 +664,7 @@ def plot(run: Run, path: Path) -> None:
     except ImportError:
         print("matplotlib is not installed: no plot")
         return
-    skip = ("writing", "short request", "recompute")
+    skip = ("writing", "recompute", *CONCURRENT_ROWS)
     configs = [c for c in dict.fromkeys(m.config for m in run.rows) if not any(w in c for w in skip)]
     lengths = sorted(set(run.lengths))
     colors = plt.get_cmap("tab10").colors
