@@ -46,3 +46,39 @@ def test_interval_zero_never_trims():
     trimmer = HeapTrimmer(0)
     assert not trimmer.active and not trimmer.trim()
     trimmer.close()
+
+
+# Run in a child: the threshold is process-wide, and the trim test above needs glibc's dynamic one.
+_CHILD = """
+import gc, sys, psutil
+from lmcache_mooncake.heap import fix_mmap_threshold
+fixed = fix_mmap_threshold(int(sys.argv[1]))
+big = bytearray(2 << 20)
+del big  # without a fixed threshold this raises glibc's past 1 MiB: the blocks below come from the heap
+blocks = [bytearray(1 << 20) for _ in range(128)]
+for b in blocks:
+    b[::4096] = b"\\1" * len(b[::4096])
+before = psutil.Process().memory_info().rss
+del blocks[::2]
+gc.collect()
+print(int(fixed), before - psutil.Process().memory_info().rss)
+"""
+
+
+def _freed_after_free(threshold: int) -> tuple[bool, int]:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(threshold)], capture_output=True, text=True, check=True)
+    fixed, released = out.stdout.split()
+    return fixed == "1", int(released)
+
+
+def test_fixed_mmap_threshold_frees_large_blocks_at_once():
+    fixed, released = _freed_after_free(256 * 1024)
+    if not fixed:
+        pytest.skip("no glibc mallopt here (another allocator or libc)")
+    assert released > 48 * MiB, released / MiB  # 64 freed 1 MiB blocks went back without a trim
+    # Control: glibc's dynamic threshold keeps the freed blocks in the heap, resident.
+    fixed, released = _freed_after_free(0)
+    assert not fixed and released < 16 * MiB, released / MiB

@@ -27,7 +27,7 @@ from lmcache_mooncake.engine import (
     request_configs,
     write_barrier,
 )
-from lmcache_mooncake.heap import HeapTrimmer
+from lmcache_mooncake.heap import HeapTrimmer, fix_mmap_threshold
 from lmcache_mooncake.keys import KeyNamespace, namespace_for
 from lmcache_mooncake.kv_events import KVEventLog
 from lmcache_mooncake.stats import Stats
@@ -69,6 +69,7 @@ class WorkerSide:
         self.namespace: KeyNamespace | None = None
         self.lookup_server: LookupServer | None = None
         self._failed_blocks: set[int] = set()
+        fix_mmap_threshold(cfg.heap_mmap_threshold)
         self.heap = HeapTrimmer(cfg.heap_trim_interval)
         # Asynchronous loads in flight, by request; one loader thread.
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="lmcm-load",
