@@ -22,6 +22,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import psutil
 
@@ -89,8 +90,10 @@ def http_ok(url: str, timeout_s: float = 2.0) -> bool:
 
 def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, name: str, log_path: Path | str,
                  lines: int = 30) -> None:
-    """Block until ``url/health`` answers 200; ``RuntimeError`` with the log's tail if the process
-    exits first or ``timeout_s`` passes."""
+    """Block until ``url/health`` answers 200 from ``proc`` (or a process it started); ``RuntimeError``
+    with the log's tail if the process exits first, if ``timeout_s`` passes, or if another program
+    answers on that port (which ``proc`` then failed to bind: Mooncake's metadata and metrics
+    servers, for one, answer ``/health`` with 200 too)."""
     wait_until(
         lambda: http_ok(f"{url}/health"),
         alive=lambda: proc.poll() is None,
@@ -100,6 +103,32 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, name: str, 
         on_timeout=lambda: RuntimeError(
             f"{name} did not answer at {url} within {timeout_s:.0f} s; log {log_path}:\n{tail_log(log_path, lines)}"),
     )
+    port = urlsplit(url).port
+    if port is not None and listens(proc.pid, port) is False:
+        raise RuntimeError(
+            f"{name} (pid {proc.pid}) is not listening on port {port}, but something else answers "
+            f"{url}/health there: another program holds the port; give {name} a free port. "
+            f"Log {log_path}:\n{tail_log(log_path, lines)}")
+
+
+def listens(pid: int, port: int) -> bool | None:
+    """Whether process ``pid`` or one of its descendants has a TCP socket listening on ``port``;
+    None when that cannot be read (the process gone, or its sockets not ours to see)."""
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return None
+    for p in tree:
+        try:
+            conns = p.net_connections(kind="tcp")
+        except psutil.NoSuchProcess:
+            continue
+        except psutil.Error:
+            return None
+        if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in conns):
+            return True
+    return False
 
 
 def stop_group(proc: subprocess.Popen, grace_s: float = 0.0) -> int | None:

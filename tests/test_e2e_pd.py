@@ -315,8 +315,14 @@ def test_up_then_sigterm_leaves_no_process(model, tmp_path):
                 break
             assert time.monotonic() < deadline
         assert up.poll() is None, "".join(lines[-30:])
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
-                       json={"model": str(model), "prompt": list(range(20, 320)), "max_tokens": 4}, timeout=120)
+        try:
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                           json={"model": str(model), "prompt": list(range(20, 320)), "max_tokens": 4}, timeout=120)
+        except httpx.HTTPError as e:  # once in CI: refused right after "stack is up"; say what was running
+            proxy_log = tmp_path / "w" / "proxy.log"
+            pytest.fail(f"{e!r} at the proxy's port {port}; up alive: {up.poll() is None}; up's output:\n"
+                        + "".join(lines[-30:]) + "\nproxy log:\n"
+                        + (proxy_log.read_text(errors="replace")[-3000:] if proxy_log.exists() else "(none)"))
         assert r.status_code == 200, r.text
         seen = {p.pid for p in psutil.Process(up.pid).children(recursive=True)}
         seen |= {int(x) for x in _store_pids(tmp_path / "store")}

@@ -84,3 +84,33 @@ def test_file_lock_excludes_a_second_holder(tmp_path):
                                           (3 << 20, "3.0 MiB"), (5 << 30, "5.0 GiB"), (2048 << 30, "2048.0 GiB")])
 def test_format_bytes(n, text):
     assert procs.format_bytes(n) == text
+
+
+_HEALTH_SERVER = """
+import sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_wait_healthy_refuses_a_port_another_program_answers_on(tmp_path):
+    port = procs.free_port()
+    other = procs.spawn([sys.executable, "-c", _HEALTH_SERVER, str(port)], tmp_path / "other.log")
+    # A child that cannot bind the port (it never tries) while another program answers /health there.
+    child = procs.spawn([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "child.log")
+    try:
+        procs.wait_until(lambda: procs.http_ok(f"http://127.0.0.1:{port}/health"), alive=lambda: True,
+                         deadline=time.monotonic() + 30, on_exit=RuntimeError, on_timeout=RuntimeError)
+        with pytest.raises(RuntimeError, match=f"is not listening on port {port}"):
+            procs.wait_healthy(child, f"http://127.0.0.1:{port}", 30, "proxy", tmp_path / "child.log")
+        # Control: the program that answers is the one waited on.
+        procs.wait_healthy(other, f"http://127.0.0.1:{port}", 30, "server", tmp_path / "other.log")
+    finally:
+        procs.stop_group(child)
+        procs.stop_group(other)
