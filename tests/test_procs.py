@@ -105,12 +105,10 @@ def test_wait_healthy_refuses_a_port_another_program_answers_on(tmp_path):
     # A child that cannot bind the port (it never tries) while another program answers /health there.
     child = procs.spawn([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "child.log")
     try:
-        procs.wait_until(lambda: procs.http_ok(f"http://127.0.0.1:{port}/health"), alive=lambda: True,
-                         deadline=time.monotonic() + 30, on_exit=RuntimeError, on_timeout=RuntimeError)
+        # Control (and the wait for it to answer): the program that answers is the one waited on.
+        procs.wait_healthy(other, f"http://127.0.0.1:{port}", 30, "server", tmp_path / "other.log")
         with pytest.raises(RuntimeError, match=f"is not listening on port {port}"):
             procs.wait_healthy(child, f"http://127.0.0.1:{port}", 30, "proxy", tmp_path / "child.log")
-        # Control: the program that answers is the one waited on.
-        procs.wait_healthy(other, f"http://127.0.0.1:{port}", 30, "server", tmp_path / "other.log")
     finally:
         procs.stop_group(child)
         procs.stop_group(other)
