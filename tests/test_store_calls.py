@@ -67,6 +67,29 @@ def test_a_slow_call_is_reported_while_it_runs_with_what_the_threads_do(caplog, 
         worker.stop()
 
 
+def test_a_call_whose_caller_waits_less_than_the_threshold_is_reported_at_half_its_limit(caplog, monkeypatch):
+    # A store get's caller waits mooncake.timeout (2 s by default), as long as the threshold:
+    # reported at the threshold, such a call would only be seen after its caller gave up.
+    monkeypatch.setattr(logging.getLogger("lmcache_mooncake"), "propagate", True)
+    monkeypatch.setenv("LMCACHE_MOONCAKE_SLOW_CALL_S", "5")
+    worker = _Worker("test-short-limit")
+    try:
+        with caplog.at_level(logging.WARNING, logger="lmcache_mooncake.store.calls"):
+            job = worker.submit(lambda: time.sleep(1.2), "batch_get_into_multi_buffers", 1.0)
+            time.sleep(0.9)
+            lines = [r.getMessage() for r in caplog.records]
+            assert job.done.wait(5)
+        slow = [m for m in lines if m.startswith("Mooncake batch_get_into_multi_buffers has run")]
+        assert len(slow) == 1 and "its caller waits 1 s" in slow[0], lines
+        # Control: without a caller limit the threshold (5 s) holds, and 1.2 s is not reported.
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="lmcache_mooncake.store.calls"):
+            assert worker.submit(lambda: time.sleep(1.2), "batch_get_into").done.wait(5)
+        assert not [r for r in caplog.records if "has run" in r.getMessage()]
+    finally:
+        worker.stop()
+
+
 def test_thread_summary_counts_this_process_threads():
     line = stalls.thread_summary()
     assert line.split(" ", 1)[0].isdigit() and int(line.split(" ", 1)[0]) >= 1 and "load " in line, line

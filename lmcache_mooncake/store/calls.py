@@ -108,7 +108,8 @@ class _Worker:
     interpreter exit) so a call hung inside Mooncake cannot block exit.
     """
 
-    #: A call running this long is logged once, with what the process's threads are doing.
+    #: A call running this long is logged once, with what the process's threads are doing
+    #: (or half its caller's limit, if that is sooner: see :meth:`report_after`).
     SLOW_S = 2.0
 
     def __init__(self, name: str):
@@ -124,8 +125,14 @@ class _Worker:
             self._watcher = threading.Thread(target=self._watch, name=f"{name}-watch", daemon=True)
             self._watcher.start()
 
+    def report_after(self, job: _Job) -> float:
+        """Seconds after which ``job`` is reported: ``slow_s``, or half its caller's limit when that
+        is sooner, so a call is seen while it still runs even where the caller gives up at or
+        before ``slow_s`` (a store get's default ``mooncake.timeout`` is 2 s, as ``slow_s``)."""
+        return min(self.slow_s, job.limit_s / 2) if job.limit_s else self.slow_s
+
     def _watch(self) -> None:
-        """Report a call that has run ``slow_s`` once, while it still runs (docs/reliability.md,
+        """Report a call that has run ``report_after(job)`` once, while it still runs (docs/reliability.md,
         "Mooncake's TCP stall"): the caller only learns of it at its timeout, and then the
         moment to see what the process was doing has passed."""
         tick = 0.25
@@ -136,7 +143,7 @@ class _Worker:
             job = self.current
             if job is None or job.reported or job.started is None or job.done.is_set():
                 continue
-            if now - job.started < self.slow_s:
+            if now - job.started < self.report_after(job):
                 continue
             job.reported = True
             limit = f"its caller waits {job.limit_s:.3g} s" if job.limit_s else "no caller limit"
