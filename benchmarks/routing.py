@@ -9,6 +9,9 @@ the same instances:
 - ``prefix``: ``--routing prefix --no-direct-decode``;
 - ``prefix + direct``: ``--routing prefix`` with direct decode (a request whose
   prompt the store holds but for at most 256 tokens skips prefill).
+- ``single instance``: the same kind of requests sent straight to the prefill
+  vLLM, no proxy and no decode instance (what one instance with vLLM's own
+  prefix cache gives on the same core): the baseline of PD's end-to-end TTFT.
 
 Each proxy gets its own ``--systems`` random system prompts of
 ``--system-tokens`` tokens (so no configuration finds what another one cached)
@@ -109,6 +112,8 @@ def kv_bytes_per_token(model: Path) -> int:
 
 def run_config(name: str, proxy: Proc, model: Path, decodes: list[Proc], run_dirs: dict[str, Path],
                args: argparse.Namespace, seed: int, bpt: int) -> Result:
+    """One configuration's requests through ``proxy`` (a proxy, or one vLLM for the baseline);
+    ``decodes``: the instances whose connector counters say what was loaded."""
     rng = random.Random(seed)
     systems = [[rng.randrange(16, 2000) for _ in range(args.system_tokens)] for _ in range(args.systems)]
     before = {d.url: fetch(d.url) for d in decodes}
@@ -230,6 +235,12 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.monotonic()
             results.append(run_config(name, p, model, decodes, run_dirs, args, seed=100 + k, bpt=bpt))
             print(f"{name}: {time.monotonic() - t0:.0f} s", file=sys.stderr)
+        # The baseline: one instance, no proxy (its own prefix cache serves the system prompts).
+        t0 = time.monotonic()
+        single = instances["prefill"]
+        results.append(run_config("single instance", single, model, [single], run_dirs, args,
+                                  seed=100 + len(proxies), bpt=bpt))
+        print(f"single instance: {time.monotonic() - t0:.0f} s", file=sys.stderr)
         print_table(results)
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
