@@ -60,6 +60,8 @@ from typing import Any
 
 import httpx
 
+from lmcache_mooncake.malloc_env import malloc_env
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 PY = sys.executable
@@ -132,6 +134,7 @@ class Server:
                     VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CACHE_ROOT=str(self.dir / "cache"),
                     TORCHINDUCTOR_CACHE_DIR=str(self.dir / "inductor"), TMPDIR=str(self.dir / "tmp"))
         penv.update(env or {})
+        penv.update(malloc_env(penv))  # the same allocator for every connector and the baselines
         self.log = self.dir / "server.log"
         with open(self.log, "w") as f:
             self.proc = subprocess.Popen(cmd, env=penv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)

@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lmcache_mooncake.malloc_env import OPT_OUT, malloc_env
+
 ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 
 #: vLLM's ``--shutdown-timeout`` unless the caller gives one. vLLM 0.32's default (0)
@@ -82,7 +84,7 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
     p.add_argument("--config", default=None,
                    help="cache configuration YAML (default: configs/<role>.yaml of the current folder if "
                    "present, else the embedded defaults with the embedded store: mooncake.master_address auto)")
-    p.add_argument("--print-command", action="store_true", help="print the vLLM command line and exit")
+    p.add_argument("--print-command", action="store_true", help="print the vLLM command line (with the environment serve adds) and exit")
     p.set_defaults(run=run, pass_through=True)
     return p
 
@@ -110,13 +112,18 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
     cmd = vllm_command(args.role, args.model, args.host, args.port, config_file, vllm_args, overrides)
+    tuned = malloc_env()
     if args.print_command:
-        print(" ".join(cmd))
+        print("".join(f"{k}={v} " for k, v in tuned.items()) + " ".join(cmd))
         return 0
     print(f"lmcache-mooncake serve: {args.role} instance on http://{args.host}:{args.port} "
           f"(config: {config_file or 'embedded defaults'})", file=sys.stderr)
     sys.stdout.flush()
+    if tuned:
+        print(f"lmcache-mooncake serve: GLIBC_TUNABLES={tuned['GLIBC_TUNABLES']} (glibc's malloc keeps freed "
+              f"activations for the next step; {OPT_OUT}=default leaves its defaults)", file=sys.stderr)
     sys.stderr.flush()
+    os.environ.update(tuned)
     os.execv(cmd[0], cmd)  # vLLM takes over this process: signals go straight to it
     return 0  # not reached
 

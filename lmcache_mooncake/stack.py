@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 
 from lmcache_mooncake import procs
+from lmcache_mooncake.malloc_env import malloc_env
 from lmcache_mooncake.metrics_client import MetricsSnapshot, fetch
 from lmcache_mooncake.serve import default_config_file, vllm_command
 from lmcache_mooncake.testing.prompts import demo_requests
@@ -189,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
             name = f"{role}-{i}"
             env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib), HF_HUB_OFFLINE="1",
                        VLLM_NO_USAGE_STATS="1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+            env.update(malloc_env(env))
             if len(os.sched_getaffinity(0)) >= 2 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, mine))
             run_dir = work / f"{name}-run"

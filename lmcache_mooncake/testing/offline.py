@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcache_mooncake import procs
+from lmcache_mooncake.malloc_env import malloc_env
 
 
 @dataclass
@@ -71,7 +72,8 @@ class RunSpec:
 
 
 def vllm_env(work_dir: Path, extra: dict[str, str] | None = None, kv_cache_gib: int = 1) -> dict[str, str]:
-    """Environment for a vLLM child: offline, quiet, per-run caches (no collisions)."""
+    """Environment for a vLLM child: offline, quiet, per-run caches (no collisions), and glibc
+    malloc kept from re-faulting activations every step (:mod:`lmcache_mooncake.malloc_env`)."""
     env = dict(os.environ)
     for d in ("cache", "inductor", "tmp"):
         (work_dir / d).mkdir(parents=True, exist_ok=True)
@@ -90,6 +92,7 @@ def vllm_env(work_dir: Path, extra: dict[str, str] | None = None, kv_cache_gib: 
         }
     )
     env.update(extra or {})
+    env.update(malloc_env(env))
     return env
 
 
