@@ -29,6 +29,19 @@ Two remedies, both owned by the worker side of the connector:
 
 Under another allocator (tcmalloc or jemalloc in ``LD_PRELOAD``) or a libc
 without ``mallopt``/``malloc_trim`` both do nothing.
+
+**Only when idle (2026-12-04).** The vLLM processes our tools start now keep
+freed blocks in the heap on purpose (``malloc_env.py``: glibc would otherwise
+unmap and fault in a step's activations again in every step, about 25% of a
+prefill step's time here). A trim in the middle of a busy period undoes that:
+the next step faults its whole working set in again. A producer measured
+4.43 / 3.88 / 3.62 s for three 16 x 1,024-token batches with the trimmer
+every 5 s, and 4.03 / 3.68 / 3.69 s without it (``docs/performance.md``). So
+the trimmer now trims once the worker has run no step for ``interval_s``
+(:meth:`HeapTrimmer.note_step`, called by the worker each step). Under
+continuous load it still trims at most every ``max_busy_s`` (default: 20
+intervals), so a server that is never idle still hands back its holes now
+and then.
 """
 
 from __future__ import annotations
@@ -38,6 +51,7 @@ import ctypes.util
 import logging
 import os
 import threading
+import time
 
 logger = logging.getLogger(__name__)
 
@@ -81,16 +95,28 @@ def fix_mmap_threshold(nbytes: int) -> bool:
     return ok
 
 
+def trim_due(now: float, last_step: float, last_trim: float, interval_s: float, max_busy_s: float) -> bool:
+    """Whether the trimmer trims now: the worker ran a step since the last trim and has then been
+    idle for ``interval_s``, or ``max_busy_s`` passed since the last trim (continuous load)."""
+    if now - last_trim >= max_busy_s:
+        return True
+    return last_step > last_trim and now - last_step >= interval_s
+
+
 class HeapTrimmer:
-    """Calls ``malloc_trim(0)`` every ``interval_s`` seconds on a daemon thread until :meth:`close`.
+    """Calls ``malloc_trim(0)`` on a daemon thread, once the worker has been idle ``interval_s``
+    seconds after a step (or at least every ``max_busy_s``), until :meth:`close`.
 
-    Owned by the worker side of the connector (one per worker process);
-    ``trims`` counts the calls that released memory."""
+    Owned by the worker side of the connector (one per worker process), which
+    calls :meth:`note_step` every step; ``trims`` counts the calls that
+    released memory."""
 
-    def __init__(self, interval_s: float):
+    def __init__(self, interval_s: float, max_busy_s: float | None = None):
         self.trims = 0
         self._fn = _malloc_trim() if interval_s > 0 else None
         self._interval = interval_s
+        self._max_busy = max_busy_s if max_busy_s is not None else 20 * interval_s
+        self._last_step = self._last_trim = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if self._fn is not None:
@@ -101,16 +127,23 @@ class HeapTrimmer:
     def active(self) -> bool:
         return self._thread is not None
 
+    def note_step(self) -> None:
+        """The worker ran a step (its caller: the worker side of the connector, each step)."""
+        self._last_step = time.monotonic()
+
     def trim(self) -> bool:
         """Trim once now; True if memory went back to the OS."""
         if self._fn is None:
             return False
+        self._last_trim = time.monotonic()
         released = bool(self._fn(0))
         self.trims += released
         return released
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
+            if not trim_due(time.monotonic(), self._last_step, self._last_trim, self._interval, self._max_busy):
+                continue
             try:
                 self.trim()
             except Exception:  # never let housekeeping take the worker down

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import gc
+import time
 
 import psutil
 import pytest
 
-from lmcache_mooncake.heap import HeapTrimmer
+from lmcache_mooncake.heap import HeapTrimmer, trim_due
 
 MiB = 1 << 20
 
@@ -46,6 +47,36 @@ def test_interval_zero_never_trims():
     trimmer = HeapTrimmer(0)
     assert not trimmer.active and not trimmer.trim()
     trimmer.close()
+
+
+def test_trim_is_due_after_an_idle_interval_or_a_long_busy_period():
+    # last step 1 s ago, interval 5: busy, no trim; 6 s ago: idle after a step, trim.
+    assert not trim_due(now=101, last_step=100, last_trim=50, interval_s=5, max_busy_s=100)
+    assert trim_due(now=106, last_step=100, last_trim=50, interval_s=5, max_busy_s=100)
+    # idle, but trimmed already after the last step: nothing new to give back.
+    assert not trim_due(now=120, last_step=100, last_trim=106, interval_s=5, max_busy_s=100)
+    # steps all the time, but the last trim is max_busy_s old.
+    assert trim_due(now=160, last_step=159.9, last_trim=60, interval_s=5, max_busy_s=100)
+
+
+def test_the_trimmer_waits_while_steps_run_and_trims_once_idle():
+    calls = []
+    trimmer = HeapTrimmer(0.5, max_busy_s=60)
+    if not trimmer.active:
+        pytest.skip("no glibc malloc_trim here (another allocator or libc)")
+    trimmer._fn = lambda pad: calls.append(pad) or 1
+    try:
+        end = time.monotonic() + 1.2
+        while time.monotonic() < end:  # a busy worker: a step every 10 ms
+            trimmer.note_step()
+            time.sleep(0.01)
+        assert calls == []
+        time.sleep(1.2)  # idle: one trim (0.5-1.0 s after the last step)
+        assert calls == [0]
+        time.sleep(1.2)  # still idle, nothing stepped since: no more
+        assert calls == [0] and trimmer.trims == 1
+    finally:
+        trimmer.close()
 
 
 # Run in a child: the threshold is process-wide, and the trim test above needs glibc's dynamic one.

@@ -132,6 +132,7 @@ class WorkerSide:
         """Start this step's loads: asynchronous ones on the loader thread (vLLM
         holds their requests until :meth:`get_finished` reports them), the
         others here, done when this returns."""
+        self.heap.note_step()
         for op in meta.loads:
             if op.asynchronous:
                 self._loading[op.req_id] = (self._loader.submit(self._load, op), op)
