@@ -163,8 +163,9 @@ class LMCacheMooncakeConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Worker: start this step's planned loads. Asynchronous ones run on a
-        loader thread while the step goes on (their requests are not in it);
-        synchronous ones are in paged KV when this returns."""
+        loader thread while the step goes on (their requests are not in it), or
+        here when vLLM scheduled nothing this step; synchronous ones are in
+        paged KV when this returns."""
         self._worker_side().start_load_kv(self._step_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:

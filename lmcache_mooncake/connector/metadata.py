@@ -53,6 +53,9 @@ class SaveOp:
 class StepMetadata(KVConnectorMetadata):
     loads: list[LoadOp] = field(default_factory=list)
     saves: list[SaveOp] = field(default_factory=list)
+    #: vLLM scheduled no tokens this step (every request waits, e.g. for its load):
+    #: the worker then runs this step's asynchronous loads in the step itself.
+    idle: bool = False
 
 
 def slots_for(block_ids: list[int], block_size: int, num_tokens: int) -> list[int]:

@@ -254,7 +254,7 @@ class SchedulerSide:
         return min(-(-pos // size) * size, token_count)
 
     def build_connector_meta(self, out: SchedulerOutput) -> StepMetadata:
-        meta = StepMetadata()
+        meta = StepMetadata(idle=out.total_num_scheduled_tokens == 0)
         # Asynchronous loads of requests vLLM holds until they finish.
         for req_id, rec in self._reqs.items():
             if rec.load is not None and rec.load_async and not rec.load_sent and rec.block_ids is not None:
