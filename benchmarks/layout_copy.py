@@ -12,8 +12,10 @@ default; ``LBHNC`` = HND; ``BLNHC``, block-outer: every block holds all the
 layers' pages). Each is timed on two slot patterns: ``blocks`` (the chunk
 fills two whole blocks picked at random, which is what a 256-token chunk
 looks like in vLLM) and ``scattered`` (256 random slots anywhere: the worst
-case). The baseline is a plain contiguous ``copy_`` of the same number of
-bytes, timed in the same run.
+case). ``CPU_ATTN`` is also timed with chunks kept as its blocks' own bytes
+(``block_chunks.py``, rows ``(chunk as blocks)``), the chunk layout its
+``vec`` kernels use. The baseline is a plain contiguous ``copy_`` of the same
+number of bytes, timed in the same run.
 
     .venv/bin/python benchmarks/layout_copy.py [--json PATH]
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import platform
@@ -33,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from lmcache_mooncake import block_chunks
 from lmcache_mooncake.layouts import (
     CpuAttnLayout,
     GpuPagedLayout,
@@ -111,6 +115,10 @@ def timed_pairs(
     return [(once(fn), once(baseline)) for _ in range(reps)]
 
 
+def _scatter_blocks(paged: PagedKV, slots: torch.Tensor, src: torch.Tensor) -> None:
+    block_chunks.scatter(paged, slots, src, 0, slots.numel())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -168,17 +176,30 @@ def main() -> None:
         caches = vllm_kv_caches(
             kv_layout, args.layers, args.blocks, args.kv_heads, n, args.head_size, dtype, device
         )
-        for pattern, slots in patterns.items():
+        chunk_layouts = [block_chunks.TOKENS]
+        if layout.chunk_layout(caches[0], t) == block_chunks.BLOCKS and t % n == 0:
+            chunk_layouts.append(block_chunks.BLOCKS)
+        for (pattern, slots), chunk_layout in itertools.product(patterns.items(), chunk_layouts):
             slots = slots.to(device)
-            scatter_chunk(layout, caches, slots, src)
-            gather_chunk(layout, caches, slots, out)
-            if not torch.equal(out.view(torch.int16), src.view(torch.int16)):
-                raise SystemExit(f"{label}/{pattern}: gather after scatter did not round-trip")
             # As the connector copies: the paged tensors validated once (PagedKV), many chunks.
             paged = PagedKV(layout, caches)
+            if chunk_layout == block_chunks.BLOCKS:
+                # The chunk keeps the blocks' own bytes (block_chunks.py), as CPU_ATTN's chunks do.
+                gather, scatter = partial(block_chunks.gather, paged), partial(_scatter_blocks, paged)
+            else:
+                gather, scatter = paged.gather, paged.scatter
+            scatter(slots, src)
+            gather(slots, out)
+            if not torch.equal(out.view(torch.int16), src.view(torch.int16)):
+                raise SystemExit(f"{label}/{pattern}/{chunk_layout}: gather after scatter did not round-trip")
+            if chunk_layout == block_chunks.TOKENS:
+                scatter_chunk(layout, caches, slots, src)  # the one-shot helpers agree
+                gather_chunk(layout, caches, slots, out)
+                if not torch.equal(out.view(torch.int16), src.view(torch.int16)):
+                    raise SystemExit(f"{label}/{pattern}: gather_chunk did not round-trip")
             for op, fn in (
-                ("gather", partial(paged.gather, slots, out)),
-                ("scatter", partial(paged.scatter, slots, src)),
+                ("gather", partial(gather, slots, out)),
+                ("scatter", partial(scatter, slots, src)),
             ):
                 pairs = timed_pairs(fn, memcpy, args.reps, device)
                 times = [p[0] for p in pairs]
@@ -186,7 +207,7 @@ def main() -> None:
                 median_s = statistics.median(times)
                 rows.append(
                     {
-                        "layout": label,
+                        "layout": label + (" (chunk as blocks)" if chunk_layout == block_chunks.BLOCKS else ""),
                         "op": op,
                         "pattern": pattern,
                         "median_ms": median_s * 1e3,
@@ -207,13 +228,13 @@ def main() -> None:
         f"({dtype}, block {n}, {args.blocks} blocks) = {chunk_bytes / 2**20:.2f} MiB; "
         f"{args.reps} reps, medians; torch {torch.__version__}, {torch.get_num_threads()} threads, {device}"
     )
-    print(f"{'layout':<15} {'op':<8} {'pattern':<10} {'ms':>8} {'GB/s':>8} {'of memcpy':>10}")
+    print(f"{'layout':<34} {'op':<8} {'pattern':<10} {'ms':>8} {'GB/s':>8} {'of memcpy':>10}")
     print(
-        f"{'memcpy':<15} {'copy_':<8} {'contiguous':<10} {memcpy_s * 1e3:>8.3f} {memcpy_gbps:>8.2f} {1.0:>9.2f}x"
+        f"{'memcpy':<34} {'copy_':<8} {'contiguous':<10} {memcpy_s * 1e3:>8.3f} {memcpy_gbps:>8.2f} {1.0:>9.2f}x"
     )
     for r in rows:
         print(
-            f"{r['layout']:<15} {r['op']:<8} {r['pattern']:<10} {r['median_ms']:>8.3f} "
+            f"{r['layout']:<34} {r['op']:<8} {r['pattern']:<10} {r['median_ms']:>8.3f} "
             f"{r['gb_per_s']:>8.2f} {r['of_memcpy']:>9.3f}x"
         )
 

@@ -3,8 +3,9 @@
 Three things of ours are handed to LMCache's in-process engine:
 
 - :class:`PagedKVCopier`, LMCache's "GPU connector" role: it copies between
-  vLLM's paged KV and LMCache's chunk buffers with :mod:`layouts` (LMCache's
-  own copy path is CUDA-only and finds nothing on a CPU).
+  vLLM's paged KV and LMCache's chunk buffers with :mod:`layouts`, or
+  :mod:`block_chunks` where chunks keep the paged blocks' own bytes
+  (LMCache's own copy path is CUDA-only and finds nothing on a CPU).
 - :class:`ChunkKeyDatabase`, LMCache's token-database role: it names chunks
   with :mod:`keys` (chained SHA-256 in a namespace, with salt and LoRA),
   instead of LMCache's default of Python's ``hash()``.
@@ -34,7 +35,7 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.metadata import LMCacheMetadata
 from lmcache.v1.token_database import TokenDatabase
 
-from lmcache_mooncake import layouts, prefault
+from lmcache_mooncake import block_chunks, layouts, prefault
 from lmcache_mooncake.config import CacheConfig, MooncakeConfig
 from lmcache_mooncake.keys import KeyNamespace, chunk_keys
 from lmcache_mooncake.store.client import StoreEndpoint
@@ -158,10 +159,13 @@ class PagedKVCopier(GPUConnectorInterface):
     before, possibly shared with other requests, and computes those after).
     """
 
-    def __init__(self, layout: layouts.PagedLayout, num_layers: int, num_kv_heads: int, head_size: int):
+    def __init__(self, layout: layouts.PagedLayout, num_layers: int, num_kv_heads: int, head_size: int,
+                 chunk_layout: str = block_chunks.TOKENS):
         self.layout = layout
         self.num_layers = num_layers
         self.hidden = num_kv_heads * head_size
+        #: Chunks keep the paged blocks' own bytes (:mod:`block_chunks`), else token-major.
+        self.blocks = chunk_layout == block_chunks.BLOCKS
         # The paged tensors, validated once (vLLM passes the same list every step).
         self._paged: layouts.PagedKV | None = None
 
@@ -185,7 +189,10 @@ class PagedKVCopier(GPUConnectorInterface):
     def batched_from_gpu(self, memory_objs, starts, ends, **kwargs: Any) -> None:  # type: ignore[override]
         paged, slots = self._paged_kv(kwargs["kvcaches"]), kwargs["slot_mapping"]
         for obj, start, end in zip(memory_objs, starts, ends, strict=True):
-            paged.gather(slots[start:end], obj.tensor)
+            if self.blocks:
+                block_chunks.gather(paged, slots[start:end], obj.tensor)
+            else:
+                paged.gather(slots[start:end], obj.tensor)
 
     def batched_to_gpu(self, memory_objs, starts, ends, **kwargs: Any) -> None:  # type: ignore[override]
         paged, slots = self._paged_kv(kwargs["kvcaches"]), kwargs["slot_mapping"]
@@ -195,7 +202,10 @@ class PagedKVCopier(GPUConnectorInterface):
             lo, hi = max(start, skip), min(end, stop)
             if hi <= lo:
                 continue
-            paged.scatter(slots[lo:hi], obj.tensor[:, :, lo - start : hi - start])
+            if self.blocks:
+                block_chunks.scatter(paged, slots[start:hi], obj.tensor, lo - start, hi - start)
+            else:
+                paged.scatter(slots[lo:hi], obj.tensor[:, :, lo - start : hi - start])
 
 
 def build_engine(
@@ -251,7 +261,8 @@ def build_engine(
         chunk_size=namespace.chunk_size,
         role="worker",
     )
-    copier = PagedKVCopier(layout, namespace.num_layers, namespace.num_kv_heads, namespace.head_size)
+    copier = PagedKVCopier(layout, namespace.num_layers, namespace.num_kv_heads, namespace.head_size,
+                           namespace.chunk_layout)
     engine = LMCacheEngineBuilder.get_or_create(
         instance_id, lm_config, metadata, copier, _no_broadcast, _no_broadcast_object
     )

@@ -9,7 +9,8 @@ and ``key_{-1}`` (the root) is SHA-256 over the namespace digest, the
 request's ``cache_salt`` and LoRA name. So a chunk's key fixes every token
 before it; tenants with different salts never share a chunk; and the
 namespace fixes everything that changes the bytes of a chunk (model, KV
-dtype, layer count, KV heads, head size, chunk size, parallel layout).
+dtype, layer count, KV heads, head size, chunk size, parallel layout, and
+the chunk layout: token-major, or the backend's own blocks).
 
 Only ``hashlib`` and fixed byte encodings are used: every process on every
 host derives the same keys, with no ``PYTHONHASHSEED``.
@@ -50,10 +51,17 @@ class KeyNamespace:
     tp_rank: int = 0
     pp_size: int = 1
     pp_rank: int = 0
+    #: How a chunk keeps its bytes: ``"tokens"`` (token-major) or ``"blocks"`` (the paged
+    #: blocks' own layout, :mod:`lmcache_mooncake.block_chunks`); see ``PagedLayout.chunk_layout``.
+    chunk_layout: str = "tokens"
 
     def digest(self) -> bytes:
-        """SHA-256 of a canonical JSON encoding (sorted keys, no spaces)."""
-        blob = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        """SHA-256 of a canonical JSON encoding (sorted keys, no spaces). ``chunk_layout`` enters
+        only when it is not ``"tokens"``, so token-major namespaces keep the digests they had."""
+        fields = asdict(self)
+        if fields["chunk_layout"] == "tokens":
+            del fields["chunk_layout"]
+        blob = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(FORMAT_TAG + b"\0" + blob.encode()).digest()
 
     def hex(self) -> str:
@@ -151,13 +159,17 @@ def namespace_for(
     chunk_size: int,
     tp_size: int = 1,
     tp_rank: int = 0,
+    chunk_layout: str = "tokens",
 ) -> KeyNamespace:
     """The namespace of one worker's chunks. The worker (from its KV tensors) and
     warm-up (from the model config) both call this, so they cannot drift apart.
 
-    ``kv_dtype`` is torch's name without ``torch.`` (``"float32"``); raises
+    ``kv_dtype`` is torch's name without ``torch.`` (``"float32"``); ``chunk_layout``
+    is ``"tokens"`` or ``"blocks"`` (``PagedLayout.chunk_layout``); raises
     ``ValueError`` for impossible values.
     """
+    if chunk_layout not in ("tokens", "blocks"):
+        raise ValueError(f"chunk_layout {chunk_layout!r} is not 'tokens' or 'blocks'")
     kv_dtype = str(kv_dtype).removeprefix("torch.")
     if not kv_dtype.isalnum():
         raise ValueError(f"kv dtype {kv_dtype!r} is not a torch dtype name such as 'float32'")
@@ -170,6 +182,7 @@ def namespace_for(
     return KeyNamespace(
         model=str(model_id), kv_dtype=kv_dtype, num_layers=int(num_layers), num_kv_heads=int(num_kv_heads),
         head_size=int(head_size), chunk_size=int(chunk_size), tp_size=int(tp_size), tp_rank=int(tp_rank),
+        chunk_layout=chunk_layout,
     )
 
 

@@ -117,6 +117,7 @@ __all__ = [
     "KVShape",
     "PagedKV",
     "PagedLayout",
+    "chunk_layout_for",
     "gather_chunk",
     "infer_kv_shape",
     "layout_for_backend",
@@ -181,6 +182,12 @@ class PagedLayout(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+    def chunk_layout(self, kv_layer: torch.Tensor, chunk_size: int) -> str:
+        """How chunks of this layout keep their bytes (part of the key namespace): ``"tokens"``
+        (token-major ``[2, L, T, H * D]``) or ``"blocks"`` (the paged blocks' own bytes, see
+        :mod:`lmcache_mooncake.block_chunks`). ``"tokens"`` unless a subclass says otherwise."""
+        return "tokens"
 
     # -- public copies ------------------------------------------------------------
 
@@ -330,6 +337,15 @@ class CpuAttnLayout(PagedLayout):
         v = halves[:, :, 1].unflatten(-1, (tokens, dim)).permute(0, 2, 1, 3)  # [B,H,N,D] -> [B,N,H,D]
         return k, v
 
+    def chunk_layout(self, kv_layer: torch.Tensor, chunk_size: int) -> str:
+        """``"blocks"`` for the ``vec``/``vec16`` kernels when chunks are whole blocks: K is
+        column-major in a block, so token-major chunks cost a transposing copy per block
+        (:mod:`lmcache_mooncake.block_chunks`). AMX tiles stay ``"tokens"``."""
+        _, _, tokens, _ = self.kv_shape(kv_layer)
+        if self._isa_of(kv_layer) == "amx" or chunk_size % tokens:
+            return "tokens"
+        return "blocks"
+
     def gather(self, kv_layer: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
         if self._isa_of(kv_layer) != "amx":
             return super().gather(kv_layer, slots, out)
@@ -439,6 +455,21 @@ def load_granularity(vllm_config: Any) -> int:
     except Exception:  # noqa: BLE001 - a config we cannot read: no restriction
         return 1
     return block_size if isa == "amx" else 1
+
+
+def chunk_layout_for(backend_name: str, dtype: str | torch.dtype, block_size: int, head_size: int,
+                     chunk_size: int) -> str:
+    """The chunk layout a worker of ``backend_name`` picks (:meth:`PagedLayout.chunk_layout`), from the
+    geometry alone: for warm-up, which names chunks before any worker has KV tensors. ``"tokens"``
+    for an unknown or empty backend name."""
+    if backend_name not in SUPPORTED_BACKENDS or block_size <= 0:
+        return "tokens"
+    torch_dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).removeprefix("torch."))
+    layer = torch.empty((1, 1, block_size, 2 * head_size), dtype=torch_dtype, device="meta")
+    try:
+        return layout_for_backend(backend_name).chunk_layout(layer, chunk_size)
+    except ValueError:  # a kernel we cannot read: the worker refuses to start, nothing is named
+        return "tokens"
 
 
 # -- backend names --------------------------------------------------------------
@@ -566,6 +597,25 @@ class PagedKV:
         k0, v0 = self._views[0]
         self._kdims, self._vdims = tuple(k0.shape[1:]), tuple(v0.shape[1:])
         self._tiled = len(self._kdims) != 3 or len(self._vdims) != 3
+        # One layer's block as the paged tensor stores it, and every layer's tensor as one
+        # [L, B, *block] view when they share one allocation (for "blocks" chunks).
+        self.block_shape = tuple(first.shape[1:])
+        self.block_numel = first[0].numel()
+        self.raw_all = _stack(self.kv_caches)
+
+    @property
+    def views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's K and V views ``[B, N, H, D]``."""
+        return self._views
+
+    @property
+    def all_layers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """K and V of every layer as ``[L, B, N, H, D]`` views, or None (layers allocated apart)."""
+        return self._all_layers
+
+    def check_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """``slots`` checked against this cache (1-D integers in range), on its device."""
+        return _check_slots(slots, self.num_slots, self.device)
 
     def gather(self, slots: torch.Tensor, out: torch.Tensor) -> None:
         """Copy the tokens at ``slots`` from every layer into ``out`` ``[2, L, T, H * D]``."""
@@ -671,27 +721,27 @@ def _stacked_views(views: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[
     """K and V of every layer as ``[L, B, N, H, D]`` views (no copy), or None where the
     layers are not equally strided views of one storage at one layer stride, or where
     such a view would address an element twice: then each layer is copied on its own."""
-    if len(views) < 2:
+    k = _stack([k for k, _ in views])
+    v = _stack([v for _, v in views])
+    return None if k is None or v is None else (k, v)
+
+
+def _stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """Equally strided, equally shaped views of one storage at one positive step, as one
+    ``[L, ...]`` view (no copy); None otherwise, or where it would address an element twice."""
+    if len(tensors) < 2:
         return None
-    k0, v0 = views[0]
-    storage = k0.untyped_storage().data_ptr()
-    step = views[1][0].storage_offset() - k0.storage_offset()
+    t0 = tensors[0]
+    storage = t0.untyped_storage().data_ptr()
+    step = tensors[1].storage_offset() - t0.storage_offset()
     if step <= 0:
         return None
-    for i, (k, v) in enumerate(views):
-        if (k.untyped_storage().data_ptr() != storage or v.untyped_storage().data_ptr() != storage
-                or k.stride() != k0.stride() or v.stride() != v0.stride()
-                or k.shape != k0.shape or v.shape != v0.shape
-                or k.storage_offset() - k0.storage_offset() != i * step
-                or v.storage_offset() - v0.storage_offset() != i * step):
+    for i, t in enumerate(tensors):
+        if (t.untyped_storage().data_ptr() != storage or t.stride() != t0.stride() or t.shape != t0.shape
+                or t.storage_offset() - t0.storage_offset() != i * step):
             return None
-    stacked = []
-    for t in (k0, v0):
-        view = t.as_strided((len(views), *t.shape), (step, *t.stride()), t.storage_offset())
-        if not _distinct_addresses(view):
-            return None
-        stacked.append(view)
-    return stacked[0], stacked[1]
+    view = t0.as_strided((len(tensors), *t0.shape), (step, *t0.stride()), t0.storage_offset())
+    return view if _distinct_addresses(view) else None
 
 
 def _distinct_addresses(view: torch.Tensor) -> bool:

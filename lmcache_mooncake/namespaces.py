@@ -54,6 +54,7 @@ FIELD_LABELS = {
     "tp_rank": "tensor parallel rank",
     "pp_size": "pipeline parallel size",
     "pp_rank": "pipeline parallel rank",
+    "chunk_layout": "chunk layout (the attention backend's blocks, or token-major)",
 }
 
 
@@ -75,7 +76,7 @@ def parse_manifest(data: bytes | str, where: str, expected_hex: str | None = Non
     """The namespace a manifest describes; raises :class:`ManifestError` naming ``where``.
 
     Checks the format, the fields (exactly :class:`KeyNamespace`'s, with their
-    types) and that they hash to the recorded digest (and to ``expected_hex``,
+    types; ``chunk_layout`` may be absent, as in manifests written before it) and that they hash to the recorded digest (and to ``expected_hex``,
     the digest in the manifest's file or object name, when given).
     """
     try:
@@ -86,7 +87,9 @@ def parse_manifest(data: bytes | str, where: str, expected_hex: str | None = Non
         raise ManifestError(f"{where}: not a namespace manifest of format {MANIFEST_FORMAT!r}")
     raw = obj.get("fields")
     names = {f.name: f.type for f in fields(KeyNamespace)}
-    if not isinstance(raw, dict) or set(raw) != set(names):
+    # Manifests written before chunk layouts existed have no chunk_layout: they are "tokens".
+    optional = {"chunk_layout"}
+    if not isinstance(raw, dict) or not set(names) - optional <= set(raw) <= set(names):
         raise ManifestError(f"{where}: manifest fields are {sorted(raw) if isinstance(raw, dict) else raw!r}, "
                             f"expected {sorted(names)}")
     for name, value in raw.items():

@@ -24,12 +24,12 @@ NS = KeyNamespace("m", "float32", L, H, D, 256)
 _ids = itertools.count()
 
 
-def make_engine(disk, cpu_gib=0.05, secret_file=None, prefault=True):
+def make_engine(disk, cpu_gib=0.05, secret_file=None, prefault=True, ns=NS):
     cfg = CacheConfig(max_local_cpu_size=cpu_gib, local_disk=str(disk), prefault_cpu_tier=prefault,
                       chunk_auth_key_file=None if secret_file is None else str(secret_file))
     layout = layouts.layout_for_backend("CPU_ATTN")
     name = f"test-{next(_ids)}"
-    return engine.build_engine(cfg, NS, layout, torch.float32, name), name
+    return engine.build_engine(cfg, ns, layout, torch.float32, name), name
 
 
 def store_and_close(disk, kv, tokens, slots, rc, secret_file=None):
@@ -211,7 +211,50 @@ def check_prefault_makes_the_cpu_pool_resident(tmp_path, kv):
             engine.close_engine(eng, name)
 
 
+def check_blocks_chunks_load_bit_exact_from_disk(tmp_path, kv):
+    """Chunks kept as the paged blocks' own bytes ("blocks" namespace): a fresh engine loads from
+    disk exactly tokens [skip, end) of vLLM-shaped slots (whole blocks, a partial last chunk, a
+    load that ends inside a block), and writes nothing else."""
+    ns = KeyNamespace("m", "float32", L, H, D, 256, chunk_layout="blocks")
+    assert layouts.layout_for_backend("CPU_ATTN").chunk_layout(kv[0], 256) == "blocks"
+    tokens = torch.arange(600) + 100
+    blocks = torch.randperm(B)[: -(-600 // N)]
+    slots = (blocks[:, None] * N + torch.arange(N)).reshape(-1)[:600]
+    rc = engine.request_configs(None, None)
+    writer, wname = make_engine(tmp_path, ns=ns)
+    try:
+        writer.store(tokens, mask=None, kvcaches=kv, slot_mapping=slots, request_configs=rc)
+        assert engine.drain(writer, 10)
+    finally:
+        engine.close_engine(writer, wname)
+    reader, rname = make_engine(tmp_path, ns=ns)
+    try:
+        assert reader.gpu_connector.blocks
+        assert reader.lookup(tokens=tokens, request_configs=rc) == 600
+        out = [torch.zeros_like(t) for t in kv]
+        skip, end = N, 599
+        ret = reader.retrieve(tokens, mask=None, kvcaches=out, slot_mapping=slots[:end], request_configs=rc,
+                              skip_leading_tokens=skip, load_end=end)
+        assert bool(ret.all())
+        want = torch.empty(2, L, 600, H * D)
+        got = torch.empty(2, L, 600, H * D)
+        layouts.gather_chunk(reader.gpu_connector.layout, kv, slots, want)
+        layouts.gather_chunk(reader.gpu_connector.layout, out, slots, got)
+        assert torch.equal(got[:, :, skip:end], want[:, :, skip:end])
+        assert not got[:, :, :skip].any() and not got[:, :, end:].any()
+        # Nothing outside the loaded tokens' slots was written.
+        written = torch.zeros(B * N, dtype=torch.bool)
+        written[slots[skip:end]] = True
+        others = (~written).nonzero().squeeze(1)
+        rest = torch.empty(2, L, others.numel(), H * D)
+        layouts.gather_chunk(reader.gpu_connector.layout, out, others, rest)
+        assert not rest.any()
+    finally:
+        engine.close_engine(reader, rname)
+
+
 CHECKS = {
+    "blocks_chunks_load_bit_exact_from_disk": check_blocks_chunks_load_bit_exact_from_disk,
     "prefault_makes_the_cpu_pool_resident": check_prefault_makes_the_cpu_pool_resident,
     "store_then_fresh_engine_loads_bit_exact": check_store_then_fresh_engine_loads_bit_exact,
     "damaged_file_stops_the_lookup_prefix": check_damaged_file_stops_the_lookup_prefix,

@@ -16,6 +16,7 @@ import pytest
 
 from lmcache_mooncake import namespaces
 from lmcache_mooncake.cli import main
+from lmcache_mooncake.layouts import chunk_layout_for
 from lmcache_mooncake.store.launcher import StoreSpec, start_store, stop_store
 from lmcache_mooncake.warmup import warmup
 
@@ -66,8 +67,11 @@ def test_explain_names_kv_dtype_for_a_float32_reader(warmed, model, store, capsy
     assert [c["held"] for c in report["chunks"]] == [{"store": False}] * 3
     best = report["elsewhere"][0]
     assert (best["tier"], best["namespace"], best["chunks_held"]) == ("store", warmed.namespace, 3)
+    # bfloat16 chunks are token-major where vLLM picks its AMX kernel for bfloat16 (layouts.py).
+    bf16_layout = chunk_layout_for("CPU_ATTN", "bfloat16", 128, report["namespace"]["head_size"], 256)
     assert [(d["field"], d["stored"], d["wanted"]) for d in best["differences"]] == [
-        ("kv_dtype", "bfloat16", "float32")]
+        ("kv_dtype", "bfloat16", "float32")] + (
+        [("chunk_layout", bf16_layout, "blocks")] if bf16_layout != "blocks" else [])
     assert "stored with kv dtype bfloat16, this instance uses float32" in report["verdict"]
 
 

@@ -112,7 +112,7 @@ def complete(url: str, model: Path, prompt: list[int]) -> tuple[list[str], int]:
 
 def namespace(model: Path) -> KeyNamespace:
     return KeyNamespace(model=str(model), kv_dtype="float32", num_layers=4, num_kv_heads=2, head_size=64,
-                        chunk_size=CHUNK)
+                        chunk_size=CHUNK, chunk_layout="blocks")
 
 
 @pytest.fixture(scope="module")

@@ -204,7 +204,7 @@ def test_prefill_killed_mid_save_decode_computes_what_never_arrived(servers, mod
     victim = shared + [rng.randrange(16, 2000) for _ in range(3000)]
     control = [rng.randrange(16, 2000) for _ in range(len(victim))]
     ns = KeyNamespace(model=str(model), kv_dtype="float32", num_layers=4, num_kv_heads=2, head_size=64,
-                      chunk_size=256)
+                      chunk_size=256, chunk_layout="blocks")
     victim_names = keys.object_names(ns, victim)
 
     # The module's prefill (shm mode) makes way for one in tcp mode on the same port.

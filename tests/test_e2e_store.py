@@ -62,7 +62,7 @@ def spec_for(model: Path, store_dir: Path, run_dir: Path, **kw) -> RunSpec:
 
 def namespace(model: Path) -> KeyNamespace:
     return KeyNamespace(model=str(model), kv_dtype="float32", num_layers=4, num_kv_heads=2,
-                        head_size=64, chunk_size=CHUNK)
+                        head_size=64, chunk_size=CHUNK, chunk_layout="blocks")
 
 
 def object_names(model: Path, prompts: list[list[int]]) -> list[str]:

@@ -48,7 +48,7 @@ def baseline(model, tmp_path_factory):
 
 def object_names(model: Path, prompts: list[list[int]]) -> list[str]:
     ns = KeyNamespace(model=str(model), kv_dtype="float32", num_layers=4, num_kv_heads=2, head_size=64,
-                      chunk_size=CHUNK)
+                      chunk_size=CHUNK, chunk_layout="blocks")
     return [name for p in prompts for name in keys.object_names(ns, p)]
 
 

@@ -161,7 +161,7 @@ def test_damaged_chunk_is_a_miss_and_output_stays_right(model, work, disk, basel
     shutil.copytree(disk, damaged)
     (ns_dir,) = damaged.iterdir()
     ns = KeyNamespace(model=str(model), kv_dtype="float32", num_layers=4, num_kv_heads=2,
-                      head_size=64, chunk_size=CHUNK)
+                      head_size=64, chunk_size=CHUNK, chunk_layout="blocks")
     assert ns_dir.name == ns.hex(), "chunk folder is named by the key namespace"
     second = chunk_keys(ns, P["exact"])[1]
     victim = damaged / keys.file_name(ns, second)

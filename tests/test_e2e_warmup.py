@@ -107,7 +107,7 @@ def expected_names(model: Path, summary) -> list[str]:
     """Object names computed here, independently of the warmup package, as the worker of a vLLM
     serving --model MODEL --dtype float32 names them."""
     ns = KeyNamespace(model=str(model), kv_dtype="float32", num_layers=4, num_kv_heads=2, head_size=64,
-                      chunk_size=CHUNK)
+                      chunk_size=CHUNK, chunk_layout="blocks")
     names = []
     for i in summary.inputs:
         names += keys.object_names(ns, i.token_ids, i.cache_salt)

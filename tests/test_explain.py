@@ -13,6 +13,7 @@ from lmcache_mooncake import keys, namespaces
 from lmcache_mooncake.cli import main
 from lmcache_mooncake.explain import DiskView, explain
 from lmcache_mooncake.keys import KeyNamespace
+from lmcache_mooncake.layouts import chunk_layout_for
 
 REPO = Path(__file__).resolve().parent.parent
 NS = KeyNamespace(model="m", kv_dtype="float32", num_layers=4, num_kv_heads=2, head_size=64, chunk_size=256)
@@ -125,12 +126,15 @@ def test_command_finds_chunks_written_at_another_dtype(tmp_path, capsys, model):
     # The namespace a float32 instance derives, and the same with bfloat16, from the command's own report.
     rc, f32, _ = run_explain(capsys, model, tmp_path, "--dtype", "float32", "--token-ids", json.dumps(ids))
     assert rc == 1 and f32["namespace"]["kv_dtype"] == "float32" and f32["elsewhere"] == []
-    bf16 = KeyNamespace(**{**f32["namespace"], "kv_dtype": "bfloat16"})
+    # A bfloat16 worker's chunks are token-major where vLLM picks its AMX kernel for bfloat16.
+    layout = chunk_layout_for("CPU_ATTN", "bfloat16", 128, f32["namespace"]["head_size"], 256)
+    bf16 = KeyNamespace(**{**f32["namespace"], "kv_dtype": "bfloat16", "chunk_layout": layout})
     store_chunks(tmp_path, bf16, ids)
 
     rc, again, _ = run_explain(capsys, model, tmp_path, "--dtype", "float32", "--token-ids", json.dumps(ids))
     assert rc == 1
-    assert [d["field"] for d in again["elsewhere"][0]["differences"]] == ["kv_dtype"]
+    assert [d["field"] for d in again["elsewhere"][0]["differences"]] == (
+        ["kv_dtype"] + (["chunk_layout"] if layout != f32["namespace"]["chunk_layout"] else []))
     assert "stored with kv dtype bfloat16, this instance uses float32" in again["verdict"]
 
     # --dtype auto is what vLLM's CPU build serves this float32 model as: bfloat16, so it is held.

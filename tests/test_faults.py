@@ -161,7 +161,7 @@ def inst(model, work, disk, store):
     }
     spec = RunSpec(model=str(model), prompts=[], extra_config=extra, prefix_caching=False, max_tokens=10)
     ns = KeyNamespace(model=str(model), kv_dtype="float32", num_layers=4, num_kv_heads=2, head_size=64,
-                      chunk_size=CHUNK)
+                      chunk_size=CHUNK, chunk_layout="blocks")
     with Instance(spec, work / "inst") as vllm:
         yield Faulty(vllm, run_dir, ns, disk, store)
         vllm.stop()

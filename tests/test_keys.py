@@ -45,6 +45,7 @@ def test_namespace_salt_and_lora_separate_keys():
         chunk_keys(KeyNamespace(**{**NS.__dict__, "kv_dtype": "float32"}), TOKENS)[0],
         chunk_keys(KeyNamespace(**{**NS.__dict__, "num_layers": 5}), TOKENS)[0],
         chunk_keys(KeyNamespace(**{**NS.__dict__, "tp_size": 2}), TOKENS)[0],
+        chunk_keys(KeyNamespace(**{**NS.__dict__, "chunk_layout": "blocks"}), TOKENS)[0],
         chunk_keys(NS, TOKENS, cache_salt="tenant-a")[0],
         chunk_keys(NS, TOKENS, lora="adapter")[0],
     ]
@@ -82,3 +83,15 @@ def test_names_refuse_what_is_not_a_key():
     for ns, key in (("../etc", bytes(32)), (NS.hex()[:16], bytes(32)), (NS, b"short"), (NS, -1), (NS, 2**256)):
         with pytest.raises(ValueError):
             chunk_name(ns, key)
+
+
+def test_token_major_namespaces_keep_their_digest_and_a_bad_chunk_layout_is_refused():
+    """chunk_layout enters the digest only when it is "blocks": caches written before it existed
+    still hit. The digest below is that of NS before the field was added."""
+    import pytest
+
+    from lmcache_mooncake.keys import namespace_for
+
+    assert NS.hex() == "3de03f784f9be0cef40a0ad3926d4599e0f8816cd1bbdd69e94805c79e6d0b49"
+    with pytest.raises(ValueError, match="chunk_layout 'pages'"):
+        namespace_for("m", "float32", 1, 1, 8, 16, chunk_layout="pages")

@@ -117,3 +117,13 @@ def test_recorder_defers_while_the_tier_is_not_ready():
     for _ in range(3):
         rec.record(NS, not_yet)
     assert len(calls) == 2  # deferred once, then written once
+
+
+def test_a_manifest_from_before_chunk_layouts_reads_as_token_major():
+    m = namespaces.manifest(NS)
+    del m["fields"]["chunk_layout"]
+    assert namespaces.parse_manifest(json.dumps(m), "x", expected_hex=NS.hex()) == NS
+    blocks = KeyNamespace(**{**NS.__dict__, "chunk_layout": "blocks"})
+    assert namespaces.parse_manifest(namespaces.manifest_bytes(blocks), "x") == blocks
+    (diff,) = namespaces.differences(blocks, NS)
+    assert diff.field == "chunk_layout" and "token-major" in diff.describe()

@@ -232,9 +232,11 @@ def test_chat_rendering_equals_vllm_server_rendering(renderer):
 def test_namespace_and_object_names(renderer):
     cfg = load_config(REPO / "configs/prefill.yaml")
     ns = key_namespace(renderer.info, cfg)
-    # What the tiny model's worker builds from its KV cache: float32, 4 layers, 2 KV heads of 64.
+    # What the tiny model's worker builds from its KV cache: float32, 4 layers, 2 KV heads of 64,
+    # and on this CPU build CPU_ATTN's 128-token blocks, which chunks of 256 keep as they are.
+    assert (renderer.info.kv_backend, renderer.info.block_size) == ("CPU_ATTN", 128)
     assert ns == KeyNamespace(model=renderer.info.model, kv_dtype="float32", num_layers=4, num_kv_heads=2,
-                              head_size=64, chunk_size=256)
+                              head_size=64, chunk_size=256, chunk_layout="blocks")
     tokens = list(range(16, 16 + 600))
     want = [f"lmcm/{ns.hex()}/{k.hex}" for k in chunk_keys(ns, tokens, "s")]
     assert object_names(ns, tokens, "s") == want and len(want) == 3
@@ -291,6 +293,8 @@ _SHAPES = st.fixed_dictionaries({
     "tp_size": st.sampled_from([1, 2, 4, 8]),
     "salt": st.one_of(st.none(), st.text(min_size=1, max_size=6)),
     "n_tokens": st.integers(1, 1100),
+    # (attention backend, block size): chunks of CPU_ATTN's vec kernels keep its blocks' bytes.
+    "backend": st.sampled_from([("FLASH_ATTN", 16), ("CPU_ATTN", 128), ("CPU_ATTN", 16)]),
 })
 
 
@@ -305,11 +309,12 @@ def _worker_namespace(monkeypatch, tmp_path, s: dict, tp_rank: int) -> KeyNamesp
     monkeypatch.setattr(worker, "build_engine", lambda *a, **k: None)
     monkeypatch.setattr(worker, "LookupServer", lambda *a, **k: None)
     cfg = CacheConfig(chunk_size=s["chunk_size"], model_id=s["model_id"])
-    side = worker.WorkerSide(cfg, model_identity(s["model_id"], s["served"]), "FLASH_ATTN", 16, tmp_path,
+    backend, block = s["backend"]
+    side = worker.WorkerSide(cfg, model_identity(s["model_id"], s["served"]), backend, block, tmp_path,
                              tmp_path / "lookup.sock", "test", tp_rank=tp_rank, tp_size=s["tp_size"])
     heads = max(1, s["num_kv_heads"] // s["tp_size"])  # vLLM's split of KV heads over ranks
     dtype = getattr(torch, s["dtype"])
-    side.register_kv_caches({f"layer{i}": torch.zeros(1, heads, 16, 2 * s["head_size"], dtype=dtype)
+    side.register_kv_caches({f"layer{i}": torch.zeros(1, heads, block, 2 * s["head_size"], dtype=dtype)
                              for i in range(s["num_layers"])})
     assert side.namespace is not None
     return side.namespace
@@ -328,12 +333,12 @@ def test_warmup_names_equal_the_workers_names(monkeypatch, tmp_path, s, data):
     tp_rank = data.draw(st.integers(0, s["tp_size"] - 1))
     info = ModelInfo(model=s["served"], served_model_name=s["served"], dtype=s["dtype"], max_model_len=4096,
                      num_layers=s["num_layers"], num_kv_heads=s["num_kv_heads"], head_size=s["head_size"],
-                     vocab_size=2048)
+                     vocab_size=2048, kv_backend=s["backend"][0], block_size=s["backend"][1])
     cfg = CacheConfig(chunk_size=s["chunk_size"], model_id=s["model_id"])
     ns = key_namespace(info, cfg, tp_size=s["tp_size"], tp_rank=tp_rank)
     direct = keys.namespace_for(keys.model_identity(s["model_id"], s["served"]), s["dtype"], s["num_layers"],
                                 max(1, s["num_kv_heads"] // s["tp_size"]), s["head_size"], s["chunk_size"],
-                                tp_size=s["tp_size"], tp_rank=tp_rank)
+                                tp_size=s["tp_size"], tp_rank=tp_rank, chunk_layout=ns.chunk_layout)
     assert ns == direct
     assert ns == _worker_namespace(monkeypatch, tmp_path, s, tp_rank)
     tokens = list(range(16, 16 + s["n_tokens"]))

@@ -98,6 +98,7 @@ class WorkerSide:
         self.namespace = namespace_for(
             self.model_id, dtype, len(self.kv_caches), num_heads, head_size, self.cfg.chunk_size,
             tp_size=self.tp_size, tp_rank=self.tp_rank,
+            chunk_layout=self.layout.chunk_layout(first, self.cfg.chunk_size),
         )
         self.engine = build_engine(self.cfg, self.namespace, self.layout, first.dtype, self.instance_id)
         if self.tp_rank == 0:
@@ -107,9 +108,9 @@ class WorkerSide:
         # any difference in them gives the two different keys.
         logger.info(
             "lmcache-mooncake worker ready (TP rank %d of %d): key namespace %s = model %r, KV dtype %s, "
-            "%d layers, %d KV heads, head size %d, chunk size %d; %s layout, disk tier %s",
+            "%d layers, %d KV heads, head size %d, chunk size %d, chunks as %s; %s layout, disk tier %s",
             self.tp_rank, self.tp_size, ns.hex(), ns.model, ns.kv_dtype, ns.num_layers, ns.num_kv_heads,
-            ns.head_size, ns.chunk_size, self.layout.name, self.cfg.disk_path,
+            ns.head_size, ns.chunk_size, ns.chunk_layout, self.layout.name, self.cfg.disk_path,
         )
 
     def _require_engine(self) -> None:

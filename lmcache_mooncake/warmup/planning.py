@@ -36,19 +36,22 @@ def key_namespace(info: ModelInfo, cfg: CacheConfig, model_id: str | None = None
                   tp_size: int = 1, tp_rank: int = 0) -> KeyNamespace:
     """The namespace the connector's worker derives for this model and config.
 
-    The worker builds it from its KV cache tensors: dtype, layer count, KV heads
-    and head size, with the model id of ``model_id`` / ``cfg.model_id`` / vLLM's
+    The worker builds it from its KV cache tensors: dtype, layer count, KV heads,
+    head size and the chunk layout its attention backend keeps (from
+    ``info.kv_backend`` and ``info.block_size`` here), with the model id of ``model_id`` / ``cfg.model_id`` / vLLM's
     served model name. With ``tp_size`` > 1 it is the namespace of worker
     ``tp_rank``, whose tensors hold ``num_kv_heads // tp_size`` heads (at least
     one, as vLLM splits them). The warm-up command itself runs its producer
     with tensor parallel size 1, so it writes and checks the TP 1 namespace.
     """
     from lmcache_mooncake.keys import model_identity, namespace_for
+    from lmcache_mooncake.layouts import chunk_layout_for
 
     return namespace_for(
         model_identity(model_id or cfg.model_id, info.served_model_name),
         info.dtype, info.num_layers, max(1, info.num_kv_heads // tp_size), info.head_size, cfg.chunk_size,
         tp_size=tp_size, tp_rank=tp_rank,
+        chunk_layout=chunk_layout_for(info.kv_backend, info.dtype, info.block_size, info.head_size, cfg.chunk_size),
     )
 
 

@@ -40,6 +40,18 @@ class ModelInfo:
     num_kv_heads: int
     head_size: int
     vocab_size: int
+    #: The attention backend and block size the serving workers will have on this platform
+    #: ("" and 0 where unknown): the chunk layout in the key namespace depends on them.
+    kv_backend: str = ""
+    block_size: int = 0
+
+
+def _platform_backend() -> str:
+    """The attention backend vLLM's workers use on this platform: ``CPU_ATTN`` on the CPU build;
+    "" elsewhere (the GPU backends keep token-major chunks, whichever vLLM picks)."""
+    from vllm.platforms import current_platform
+
+    return "CPU_ATTN" if current_platform.is_cpu() else ""
 
 
 @contextlib.contextmanager
@@ -143,6 +155,8 @@ class PromptRenderer:
             num_kv_heads=int(model_config.get_num_kv_heads(parallel)),
             head_size=int(model_config.get_head_size()),
             vocab_size=int(model_config.get_vocab_size()),
+            kv_backend=_platform_backend(),
+            block_size=int(vllm_config.cache_config.block_size or 0),
         )
         self._loop = asyncio.new_event_loop()
 
