@@ -64,8 +64,9 @@ def child(args: argparse.Namespace) -> None:
     disk = args.disk if args.tier in ("disk", "cpu") else None
     cfg = CacheConfig(max_local_cpu_size=1.0, local_disk=disk, mooncake=mc)
     cfg = dataclasses.replace(cfg, chunk_auth_key_file=args.auth_file)
-    ns = KeyNamespace("bench", "float32", L, H, D, 256)
     layout = layouts.layout_for_backend("CPU_ATTN")
+    # The chunk layout a served worker picks for these tensors ("blocks" for float32 here).
+    ns = KeyNamespace("bench", "float32", L, H, D, 256, chunk_layout=layout.chunk_layout(kv[0], 256))
     name = f"bench-{args.role}-{args.tier}"
     eng = engine.build_engine(cfg, ns, layout, torch.float32, name)
     rc = engine.request_configs(None, None)
