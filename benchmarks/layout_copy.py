@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from lmcache_mooncake import block_chunks
+from lmcache_mooncake.keys import BLOCKS, TOKENS
 from lmcache_mooncake.layouts import (
     CpuAttnLayout,
     GpuPagedLayout,
@@ -176,14 +177,14 @@ def main() -> None:
         caches = vllm_kv_caches(
             kv_layout, args.layers, args.blocks, args.kv_heads, n, args.head_size, dtype, device
         )
-        chunk_layouts = [block_chunks.TOKENS]
-        if layout.chunk_layout(caches[0], t) == block_chunks.BLOCKS and t % n == 0:
-            chunk_layouts.append(block_chunks.BLOCKS)
+        chunk_layouts = [TOKENS]
+        if layout.chunk_layout(caches[0], t) == BLOCKS and t % n == 0:
+            chunk_layouts.append(BLOCKS)
         for (pattern, slots), chunk_layout in itertools.product(patterns.items(), chunk_layouts):
             slots = slots.to(device)
             # As the connector copies: the paged tensors validated once (PagedKV), many chunks.
             paged = PagedKV(layout, caches)
-            if chunk_layout == block_chunks.BLOCKS:
+            if chunk_layout == BLOCKS:
                 # The chunk keeps the blocks' own bytes (block_chunks.py), as CPU_ATTN's chunks do.
                 gather, scatter = partial(block_chunks.gather, paged), partial(_scatter_blocks, paged)
             else:
@@ -192,7 +193,7 @@ def main() -> None:
             gather(slots, out)
             if not torch.equal(out.view(torch.int16), src.view(torch.int16)):
                 raise SystemExit(f"{label}/{pattern}/{chunk_layout}: gather after scatter did not round-trip")
-            if chunk_layout == block_chunks.TOKENS:
+            if chunk_layout == TOKENS:
                 scatter_chunk(layout, caches, slots, src)  # the one-shot helpers agree
                 gather_chunk(layout, caches, slots, out)
                 if not torch.equal(out.view(torch.int16), src.view(torch.int16)):
@@ -207,7 +208,7 @@ def main() -> None:
                 median_s = statistics.median(times)
                 rows.append(
                     {
-                        "layout": label + (" (chunk as blocks)" if chunk_layout == block_chunks.BLOCKS else ""),
+                        "layout": label + (" (chunk as blocks)" if chunk_layout == BLOCKS else ""),
                         "op": op,
                         "pattern": pattern,
                         "median_ms": median_s * 1e3,

@@ -37,10 +37,6 @@ import torch
 
 from lmcache_mooncake.layouts import PagedKV
 
-TOKENS = "tokens"
-BLOCKS = "blocks"
-CHUNK_LAYOUTS = (TOKENS, BLOCKS)
-
 
 def _parts(paged: PagedKV, buf: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
     """``(n, blocks, tail)``: the whole-block part ``[L, n, *block]`` and the token-major tail

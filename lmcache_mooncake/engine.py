@@ -37,7 +37,7 @@ from lmcache.v1.token_database import TokenDatabase
 
 from lmcache_mooncake import block_chunks, layouts, prefault
 from lmcache_mooncake.config import CacheConfig, MooncakeConfig
-from lmcache_mooncake.keys import KeyNamespace, chunk_keys
+from lmcache_mooncake.keys import BLOCKS, TOKENS, KeyNamespace, chunk_keys
 from lmcache_mooncake.store.client import StoreEndpoint
 from lmcache_mooncake.tiers import disk, mooncake
 from lmcache_mooncake.tiers.base import EngineContext, engine_context, release_context
@@ -160,12 +160,12 @@ class PagedKVCopier(GPUConnectorInterface):
     """
 
     def __init__(self, layout: layouts.PagedLayout, num_layers: int, num_kv_heads: int, head_size: int,
-                 chunk_layout: str = block_chunks.TOKENS):
+                 chunk_layout: str = TOKENS):
         self.layout = layout
         self.num_layers = num_layers
         self.hidden = num_kv_heads * head_size
         #: Chunks keep the paged blocks' own bytes (:mod:`block_chunks`), else token-major.
-        self.blocks = chunk_layout == block_chunks.BLOCKS
+        self.blocks = chunk_layout == BLOCKS
         # The paged tensors, validated once (vLLM passes the same list every step).
         self._paged: layouts.PagedKV | None = None
 

@@ -205,7 +205,7 @@ class Explanation:
             f"  kv heads    {ns['num_kv_heads']}",
             f"  head size   {ns['head_size']}",
             f"  chunk size  {ns['chunk_size']}",
-            f"  chunks as   {ns.get('chunk_layout', 'tokens')}",
+            f"  chunks as   {ns.get('chunk_layout', keys.TOKENS)}",
             f"  tensor par. {ns['tp_size']} (rank {ns['tp_rank']})",
             f"  digest      {self.namespace_digest}",
             f"prompt: {self.prompt_tokens} tokens, cache_salt {self.cache_salt!r}, {len(self.chunks)} chunks",

@@ -37,6 +37,13 @@ import numpy as np
 FORMAT_TAG = b"lmcache-mooncake/keys/v1"
 
 
+#: Chunk layouts (:attr:`KeyNamespace.chunk_layout`): token-major ``[2, L, T, H * D]``, or the
+#: paged blocks' own bytes (:mod:`lmcache_mooncake.block_chunks`). The one place these names live.
+TOKENS = "tokens"
+BLOCKS = "blocks"
+CHUNK_LAYOUTS = (TOKENS, BLOCKS)
+
+
 @dataclass(frozen=True)
 class KeyNamespace:
     """Everything that changes the bytes of a stored chunk."""
@@ -53,13 +60,13 @@ class KeyNamespace:
     pp_rank: int = 0
     #: How a chunk keeps its bytes: ``"tokens"`` (token-major) or ``"blocks"`` (the paged
     #: blocks' own layout, :mod:`lmcache_mooncake.block_chunks`); see ``PagedLayout.chunk_layout``.
-    chunk_layout: str = "tokens"
+    chunk_layout: str = TOKENS
 
     def digest(self) -> bytes:
         """SHA-256 of a canonical JSON encoding (sorted keys, no spaces). ``chunk_layout`` enters
         only when it is not ``"tokens"``, so token-major namespaces keep the digests they had."""
         fields = asdict(self)
-        if fields["chunk_layout"] == "tokens":
+        if fields["chunk_layout"] == TOKENS:
             del fields["chunk_layout"]
         blob = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(FORMAT_TAG + b"\0" + blob.encode()).digest()
@@ -159,7 +166,7 @@ def namespace_for(
     chunk_size: int,
     tp_size: int = 1,
     tp_rank: int = 0,
-    chunk_layout: str = "tokens",
+    chunk_layout: str = TOKENS,
 ) -> KeyNamespace:
     """The namespace of one worker's chunks. The worker (from its KV tensors) and
     warm-up (from the model config) both call this, so they cannot drift apart.
@@ -168,8 +175,8 @@ def namespace_for(
     is ``"tokens"`` or ``"blocks"`` (``PagedLayout.chunk_layout``); raises
     ``ValueError`` for impossible values.
     """
-    if chunk_layout not in ("tokens", "blocks"):
-        raise ValueError(f"chunk_layout {chunk_layout!r} is not 'tokens' or 'blocks'")
+    if chunk_layout not in CHUNK_LAYOUTS:
+        raise ValueError(f"chunk_layout {chunk_layout!r} is not one of {CHUNK_LAYOUTS}")
     kv_dtype = str(kv_dtype).removeprefix("torch.")
     if not kv_dtype.isalnum():
         raise ValueError(f"kv dtype {kv_dtype!r} is not a torch dtype name such as 'float32'")

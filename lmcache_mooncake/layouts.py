@@ -98,6 +98,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from lmcache_mooncake.keys import BLOCKS, TOKENS
 from lmcache_mooncake.paged_copy import (
     _block_runs,
     _check_buffer,
@@ -187,7 +188,7 @@ class PagedLayout(ABC):
         """How chunks of this layout keep their bytes (part of the key namespace): ``"tokens"``
         (token-major ``[2, L, T, H * D]``) or ``"blocks"`` (the paged blocks' own bytes, see
         :mod:`lmcache_mooncake.block_chunks`). ``"tokens"`` unless a subclass says otherwise."""
-        return "tokens"
+        return TOKENS
 
     # -- public copies ------------------------------------------------------------
 
@@ -343,8 +344,8 @@ class CpuAttnLayout(PagedLayout):
         (:mod:`lmcache_mooncake.block_chunks`). AMX tiles stay ``"tokens"``."""
         _, _, tokens, _ = self.kv_shape(kv_layer)
         if self._isa_of(kv_layer) == "amx" or chunk_size % tokens:
-            return "tokens"
-        return "blocks"
+            return TOKENS
+        return BLOCKS
 
     def gather(self, kv_layer: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
         if self._isa_of(kv_layer) != "amx":
@@ -463,13 +464,13 @@ def chunk_layout_for(backend_name: str, dtype: str | torch.dtype, block_size: in
     geometry alone: for warm-up, which names chunks before any worker has KV tensors. ``"tokens"``
     for an unknown or empty backend name."""
     if backend_name not in SUPPORTED_BACKENDS or block_size <= 0:
-        return "tokens"
+        return TOKENS
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).removeprefix("torch."))
     layer = torch.empty((1, 1, block_size, 2 * head_size), dtype=torch_dtype, device="meta")
     try:
         return layout_for_backend(backend_name).chunk_layout(layer, chunk_size)
     except ValueError:  # a kernel we cannot read: the worker refuses to start, nothing is named
-        return "tokens"
+        return TOKENS
 
 
 # -- backend names --------------------------------------------------------------

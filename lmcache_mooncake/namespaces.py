@@ -76,8 +76,9 @@ def parse_manifest(data: bytes | str, where: str, expected_hex: str | None = Non
     """The namespace a manifest describes; raises :class:`ManifestError` naming ``where``.
 
     Checks the format, the fields (exactly :class:`KeyNamespace`'s, with their
-    types; ``chunk_layout`` may be absent, as in manifests written before it) and that they hash to the recorded digest (and to ``expected_hex``,
-    the digest in the manifest's file or object name, when given).
+    types; ``chunk_layout`` may be absent, as in manifests written before it)
+    and that they hash to the recorded digest (and to ``expected_hex``, the
+    digest in the manifest's file or object name, when given).
     """
     try:
         obj = json.loads(data)
@@ -87,7 +88,7 @@ def parse_manifest(data: bytes | str, where: str, expected_hex: str | None = Non
         raise ManifestError(f"{where}: not a namespace manifest of format {MANIFEST_FORMAT!r}")
     raw = obj.get("fields")
     names = {f.name: f.type for f in fields(KeyNamespace)}
-    # Manifests written before chunk layouts existed have no chunk_layout: they are "tokens".
+    # Manifests written before chunk layouts existed have no chunk_layout: they are token-major.
     optional = {"chunk_layout"}
     if not isinstance(raw, dict) or not set(names) - optional <= set(raw) <= set(names):
         raise ManifestError(f"{where}: manifest fields are {sorted(raw) if isinstance(raw, dict) else raw!r}, "

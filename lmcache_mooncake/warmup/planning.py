@@ -38,8 +38,8 @@ def key_namespace(info: ModelInfo, cfg: CacheConfig, model_id: str | None = None
 
     The worker builds it from its KV cache tensors: dtype, layer count, KV heads,
     head size and the chunk layout its attention backend keeps (from
-    ``info.kv_backend`` and ``info.block_size`` here), with the model id of ``model_id`` / ``cfg.model_id`` / vLLM's
-    served model name. With ``tp_size`` > 1 it is the namespace of worker
+    ``info.kv_backend`` and ``info.block_size`` here), with the model id of
+    ``model_id`` / ``cfg.model_id`` / vLLM's served model name. With ``tp_size`` > 1 it is the namespace of worker
     ``tp_rank``, whose tensors hold ``num_kv_heads // tp_size`` heads (at least
     one, as vLLM splits them). The warm-up command itself runs its producer
     with tensor parallel size 1, so it writes and checks the TP 1 namespace.
