@@ -60,12 +60,52 @@ def test_lookup_over_a_deep_run_dir_returns_the_tier_runs(deep_run_dir):
     server = LookupServer(path, lambda tokens, salt, lora: reply if tokens == [1, 2, 3] else LookupReply(hit=0))
     client = LookupClient(path, timeout=5.0)
     try:
-        assert client.lookup([1, 2, 3], None, None) == reply
-        assert client.lookup([4], "salt", None) == LookupReply(hit=0, runs=[])
+        got = client.lookup([1, 2, 3], None, None)
+        assert (got.hit, got.runs) == (reply.hit, reply.runs)
+        got = client.lookup([4], "salt", None)
+        assert (got.hit, got.runs) == (0, [])
     finally:
         client.close()
         server.close()
     assert not path.exists()  # removed on close
+
+
+def test_questions_stay_open_until_answered_and_late_answers_are_dropped(tmp_path):
+    import threading
+    import time
+
+    release = threading.Event()
+
+    def lookup(tokens, salt, lora):
+        if tokens == [9]:
+            release.wait(10)  # a slow lookup (a long prompt read from disk)
+        return LookupReply(hit=len(tokens))
+
+    path = lookup_socket_path(tmp_path, "engine-open")
+    server = LookupServer(path, lookup)
+    client = LookupClient(path, timeout=1.0)
+    try:
+        assert client.ask("slow", [9], None, None, wait=0.01) is None
+        assert client.is_open("slow")
+        # Answered by the server's other worker while the slow one runs.
+        assert client.ask("quick", [1, 2], None, None, wait=2.0) == LookupReply(hit=2, id=2)
+        assert client.ask("slow", [9], None, None, wait=0.01) is None
+        # Open longer than the timeout: a miss, and the question is closed.
+        time.sleep(1.0)
+        assert client.ask("slow", [9], None, None, wait=0.01) == LookupReply(hit=0)
+        assert not client.is_open("slow")
+        # A question whose request ended is cancelled.
+        assert client.ask("gone", [9], None, None, wait=0.01) is None
+        client.cancel("gone")
+        assert not client.is_open("gone")
+        release.set()
+        # Neither late answer (both hit=1) answers the next question.
+        assert client.ask("next", [1, 2, 3], None, None, wait=2.0).hit == 3
+        assert client.lookup([5, 6], None, None).hit == 2
+    finally:
+        release.set()
+        client.close()
+        server.close()
 
 
 def test_a_reply_without_runs_decodes_with_none():

@@ -23,9 +23,15 @@ class FixedLookup:
         self.calls = 0
         self.runs = runs or []
 
-    def lookup(self, tokens: list[int], salt: str | None, lora: str | None) -> LookupReply:
+    def ask(self, key: object, tokens: list[int], salt: str | None, lora: str | None, wait: float) -> LookupReply:
         self.calls += 1
         return LookupReply(hit=len(tokens), runs=[(t, len(tokens) if e == -1 else e) for t, e in self.runs])
+
+    def is_open(self, key: object) -> bool:
+        return False
+
+    def cancel(self, key: object) -> None:
+        return None
 
     def close(self) -> None:
         return None
@@ -126,3 +132,46 @@ def test_outermost_runs(old, new, want):
     from lmcache_mooncake.connector.scheduler import outermost_runs
 
     assert outermost_runs(old, new) == want
+
+
+def test_vllm_schedules_other_requests_while_a_long_lookup_runs(tmp_path):
+    """A lookup the worker takes long to answer (a long prompt's disk reads) leaves vLLM's
+    loop free: the scheduler side answers None (ask again) after LOOKUP_WAIT_S, a short
+    request's lookup is answered meanwhile, and the long one's answer is used when it comes."""
+    import threading
+    import time
+
+    from lmcache_mooncake.connector import scheduler as sched_mod
+    from lmcache_mooncake.connector.lookup import LookupClient, LookupServer, lookup_socket_path
+
+    release = threading.Event()
+
+    def lookup(tokens, salt, lora):
+        if len(tokens) > 1000:  # the long prompt: its chunks are being read
+            release.wait(10)
+            return LookupReply(hit=len(tokens), runs=[("disk", len(tokens))])
+        return LookupReply(hit=0)
+
+    path = lookup_socket_path(tmp_path, "sched-async")
+    server = LookupServer(path, lookup)
+    client = LookupClient(path, timeout=5.0)
+    side = SchedulerSide(CacheConfig(), 128, client, save=True, load=True, stats_path=tmp_path / "s.json")
+    long, short = request("long", 8193), request("short", 64)
+    try:
+        t0 = time.monotonic()
+        assert side.get_num_new_matched_tokens(long, 0) == (None, False)
+        assert time.monotonic() - t0 < sched_mod.LOOKUP_WAIT_S + 0.5  # waited one slice, not the lookup
+        assert client.is_open("long")
+        assert side.get_num_new_matched_tokens(short, 0) == (0, False)  # answered while the long one runs
+        assert side.get_num_new_matched_tokens(long, 0) == (None, False)  # still reading
+        release.set()
+        deadline = time.monotonic() + 5
+        answer = (None, False)
+        while answer == (None, False) and time.monotonic() < deadline:
+            answer = side.get_num_new_matched_tokens(long, 0)
+        assert answer == (8192, True)
+        assert not client.is_open("long")
+    finally:
+        release.set()
+        client.close()
+        server.close()

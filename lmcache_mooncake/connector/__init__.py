@@ -247,7 +247,8 @@ class LMCacheMooncakeConnector(KVConnectorBase_V1):
         """Scheduler: prompt tokens beyond ``num_computed_tokens`` the tiers can supply, and
         whether they load asynchronously (``async_loading``, default on). Looks them up
         (a lookup is a question to the worker, bounded by ``lookup_timeout``);
-        ``None`` while a consumer waits for chunks a producer promised."""
+        ``None`` ("ask again at the next step") while the worker's answer has not come
+        within ``LOOKUP_WAIT_S``, and while a consumer waits for chunks a producer promised."""
         return self._scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:

@@ -19,11 +19,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import queue
 import socket
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
@@ -43,6 +45,8 @@ class LookupRequest(msgspec.Struct):
     tokens: list[int]
     salt: str | None = None
     lora: str | None = None
+    #: The client's number for this question, echoed in the reply.
+    id: int = 0
 
 
 class LookupReply(msgspec.Struct):
@@ -53,10 +57,12 @@ class LookupReply(msgspec.Struct):
     (``cpu``, ``disk``, ``store``) that held them when looked up
     (:func:`lmcache_mooncake.engine.lookup_tiers`); the last ``end`` is ``hit``.
     Empty when the worker did not say (an older worker, a failed lookup).
+    ``id`` is the question's (:attr:`LookupRequest.id`).
     """
 
     hit: int
     runs: list[tuple[str, int]] = msgspec.field(default_factory=list)
+    id: int = 0
 
 
 LookupFn = Callable[[list[int], "str | None", "str | None"], LookupReply]
@@ -121,83 +127,179 @@ def lookup_socket_path(run_dir: Path, engine_id: str, dp_rank: int = 0) -> Path:
 
 
 class LookupServer:
-    """Answers lookups on a background thread until :meth:`close`."""
+    """Answers lookups until :meth:`close`: a thread receives the questions and sends
+    the answers; ``threads`` workers answer them, so a quick question (a miss, a
+    prompt in the CPU tier) is not queued behind a long prompt's disk reads."""
 
-    def __init__(self, path: Path, lookup: LookupFn):
+    def __init__(self, path: Path, lookup: LookupFn, threads: int = 2):
         self._path = path
         self._lookup = lookup
         self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.REP)
+        self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         path.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_sockets(path.parent)
         path.unlink(missing_ok=True)
         self._sock.bind(f"ipc://{path}")
         self._stop = threading.Event()
+        # Answers the workers made, for the socket's own thread to send (zmq sockets are
+        # not thread-safe); a byte on the pipe wakes that thread.
+        self._answers: queue.SimpleQueue[tuple[bytes, LookupReply]] = queue.SimpleQueue()
+        self._decoder = msgspec.msgpack.Decoder(LookupRequest)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._wake_r, self._wake_w = os.pipe()
+        self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="lmcm-lookup",
+                                        initializer=affinity.widen_current_thread, initargs=("lmcm-lookup",))
         self._thread = threading.Thread(target=self._run, name="lmcm-lookup", daemon=True)
         self._thread.start()
 
+    def _answer(self, identity: bytes, req: LookupRequest) -> None:
+        """On a worker: answer one question (always: a client waits for it)."""
+        try:
+            reply = self._lookup(req.tokens, req.salt, req.lora)
+        except Exception:
+            logger.exception("lookup failed; answering 0 (no hit)")
+            reply = LookupReply(hit=0)
+        self._answers.put((identity, msgspec.structs.replace(reply, id=req.id)))
+        os.write(self._wake_w, b"\0")
+
     def _run(self) -> None:
         affinity.widen_current_thread("lmcm-lookup")
-        decoder = msgspec.msgpack.Decoder(LookupRequest)
-        encoder = msgspec.msgpack.Encoder()
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         while not self._stop.is_set():
-            if not dict(poller.poll(100)):
-                continue
-            raw = self._sock.recv()
-            try:
-                req = decoder.decode(raw)
-                reply = self._lookup(req.tokens, req.salt, req.lora)
-            except Exception:  # an answer must always be sent on a REP socket
-                logger.exception("lookup failed; answering 0 (no hit)")
-                reply = LookupReply(hit=0)
-            self._sock.send(encoder.encode(reply))
+            ready = dict(poller.poll(100))
+            if self._wake_r in ready:
+                os.read(self._wake_r, 4096)
+            while True:
+                try:
+                    identity, reply = self._answers.get_nowait()
+                except queue.Empty:
+                    break
+                self._sock.send_multipart([identity, self._encoder.encode(reply)])
+            if self._sock in ready:
+                while True:
+                    try:
+                        identity, raw = self._sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    except ValueError:  # not [identity, question]: not one of our clients
+                        continue
+                    try:
+                        req = self._decoder.decode(raw)
+                    except msgspec.DecodeError:
+                        logger.warning("cache lookup: a question that does not decode; ignored")
+                        continue
+                    self._pool.submit(self._answer, identity, req)
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self._sock.close()
         self._ctx.term()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
         self._path.unlink(missing_ok=True)
 
 
 class LookupClient:
-    """Asks the worker's :class:`LookupServer`; no answer within ``timeout`` is no hit."""
+    """Asks the worker's :class:`LookupServer`; no answer within ``timeout`` is no hit.
+
+    Called by the scheduler side only (vLLM's EngineCore thread). Questions are
+    open until answered: :meth:`ask` sends one (or finds it open) and waits at most
+    ``wait`` seconds for the answer, so vLLM's loop, which cannot schedule anything
+    while the scheduler waits, takes in new requests between waits."""
 
     def __init__(self, path: Path, timeout: float):
         self._addr = f"ipc://{path}"
-        self._timeout_ms = int(timeout * 1000)
+        self._timeout = timeout
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(LookupReply)
+        self._next_id = 1
+        #: Open questions: caller's key -> (question id, when sent).
+        self._open: dict[Hashable, tuple[int, float]] = {}
+        #: Answers received for open questions, by question id.
+        self._answers: dict[int, LookupReply] = {}
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
-            s = self._ctx.socket(zmq.REQ)
+            s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.RCVTIMEO, self._timeout_ms)
-            s.setsockopt(zmq.SNDTIMEO, self._timeout_ms)
+            s.setsockopt(zmq.SNDTIMEO, int(self._timeout * 1000))
             s.connect(self._addr)
             self._sock = s
         return self._sock
 
+    def ask(self, key: Hashable, tokens: list[int], salt: str | None, lora: str | None,
+            wait: float) -> LookupReply | None:
+        """The answer to the lookup of ``tokens`` asked under ``key``, or None if it has not
+        come within ``wait`` seconds (the question stays open: ask again with the same
+        ``key``). The first call for ``key`` sends the question. A question open longer
+        than ``timeout`` (or one that cannot be sent) is answered ``hit=0``, with a warning."""
+        opened = self._open.get(key)
+        if opened is None:
+            qid, self._next_id = self._next_id, self._next_id + 1
+            try:
+                self._socket().send(self._encoder.encode(LookupRequest(tokens=list(tokens), salt=salt, lora=lora,
+                                                                        id=qid)))
+            except zmq.Again:
+                return self._timed_out(key)
+            opened = self._open[key] = (qid, time.monotonic())
+        qid, sent = opened
+        deadline = min(time.monotonic() + max(wait, 0.0), sent + self._timeout)
+        while qid not in self._answers:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._socket().poll(int(left * 1000) + 1, zmq.POLLIN):
+                if time.monotonic() >= sent + self._timeout:
+                    return self._timed_out(key)
+                return None
+            self._receive()
+        del self._open[key]
+        return self._answers.pop(qid)
+
+    def _receive(self) -> None:
+        """Take every answer that has arrived; drop those to questions no longer open."""
+        open_ids = {qid for qid, _ in self._open.values()}
+        while True:
+            try:
+                raw = self._socket().recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                reply = self._decoder.decode(raw)
+            except msgspec.DecodeError:
+                logger.warning("cache lookup: an answer from the worker could not be decoded; ignored")
+                continue
+            if reply.id in open_ids:
+                self._answers[reply.id] = reply
+
+    def _timed_out(self, key: Hashable) -> LookupReply:
+        logger.warning(
+            "cache lookup got no answer from the worker within %.1f s; "
+            "treating it as a miss (vLLM computes the prompt)", self._timeout,
+        )
+        self.cancel(key)
+        return LookupReply(hit=0)
+
+    def is_open(self, key: Hashable) -> bool:
+        """Whether a question asked under ``key`` waits for its answer."""
+        return key in self._open
+
+    def cancel(self, key: Hashable) -> None:
+        """Forget the question asked under ``key`` (its request ended); a late answer is dropped."""
+        opened = self._open.pop(key, None)
+        if opened is not None:
+            self._answers.pop(opened[0], None)
+
     def lookup(self, tokens: list[int], salt: str | None, lora: str | None) -> LookupReply:
-        sock = self._socket()
-        try:
-            sock.send(self._encoder.encode(LookupRequest(tokens=list(tokens), salt=salt, lora=lora)))
-            return self._decoder.decode(sock.recv())
-        except zmq.Again:
-            logger.warning(
-                "cache lookup got no answer from the worker within %.1f s; "
-                "treating it as a miss (vLLM computes the prompt)", self._timeout_ms / 1000,
-            )
-            # A REQ socket that missed its reply is stuck; start a fresh one.
-            sock.close()
-            self._sock = None
-            return LookupReply(hit=0)
+        """Ask and wait for the answer (up to ``timeout``)."""
+        key = object()
+        reply = self.ask(key, tokens, salt, lora, wait=self._timeout)
+        return reply if reply is not None else self._timed_out(key)
 
     def close(self) -> None:
         if self._sock is not None:

@@ -32,6 +32,10 @@ logger = logging.getLogger(__name__)
 
 # A consumer waiting for promised chunks looks them up at most this often.
 _RECHECK_S = 0.05
+#: How long one call of get_num_new_matched_tokens waits for the worker's answer
+#: before telling vLLM to ask again (None): vLLM takes in and schedules requests
+#: that arrived meanwhile, instead of waiting behind a long prompt's disk reads.
+LOOKUP_WAIT_S = 0.01
 
 #: Key of our entry in a request's kv_transfer_params.
 PARAMS_KEY = "lmcache_mooncake"
@@ -151,10 +155,16 @@ class SchedulerSide:
         prompt_len = len(rec.token_ids)
         promised = self._promised(request, prompt_len)
         now = time.monotonic()
-        if promised and now - rec.last_lookup < _RECHECK_S:
+        asking = self.lookup_client.is_open(request.request_id)
+        if promised and not asking and now - rec.last_lookup < _RECHECK_S:
             return None, False  # asked again too soon: no new lookup yet
-        rec.last_lookup = now
-        reply = self.lookup_client.lookup(rec.token_ids, rec.cache_salt, rec.lora)
+        if not asking:
+            rec.last_lookup = now
+        reply = self.lookup_client.ask(request.request_id, rec.token_ids, rec.cache_salt, rec.lora,
+                                       wait=LOOKUP_WAIT_S)
+        if reply is None:
+            return None, False  # the worker is still looking: vLLM asks again next step
+        now = time.monotonic()
         hit = reply.hit
         if promised and hit < promised:
             # The producer's writes may still be on their way: ask vLLM to
@@ -289,6 +299,7 @@ class SchedulerSide:
 
         for req_id in out.finished_req_ids:
             self._reqs.pop(req_id, None)
+            self.lookup_client.cancel(req_id)
         self.stats.dump(self.stats_path)
         return meta
 
@@ -338,6 +349,7 @@ class SchedulerSide:
         """A producer holds the request (reported finished by the workers only
         once its chunks are written) and tells the consumer what it stored."""
         rec = self._reqs.pop(request.request_id, None)
+        self.lookup_client.cancel(request.request_id)
         if not self.producer or rec is None or not rec.stored_tokens:
             return False, None
         params = {PARAMS_KEY: {"stored_prompt_tokens": rec.stored_tokens}}
