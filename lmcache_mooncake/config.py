@@ -146,7 +146,8 @@ class CacheConfig:
     verify_on_lookup: bool = True
     #: What vLLM does when a planned load fails: "recompute" or "fail".
     load_failure_policy: str = "recompute"
-    #: Seconds the scheduler waits for the worker's answer to a lookup.
+    #: Seconds a lookup may take (the scheduler looks for the worker's answer at
+    #: each of vLLM's steps meanwhile); past it the lookup is a miss.
     lookup_timeout: float = 5.0
     #: Folder for sockets and run state; default: a folder under the temp dir.
     run_dir: str | None = None

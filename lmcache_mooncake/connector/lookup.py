@@ -2,12 +2,16 @@
 
 vLLM's scheduler (EngineCore process) must know how many prompt tokens the
 tiers hold, but the tiers live in the worker process (the CPU tier is that
-process's memory). The worker runs a small ZMQ REP server on a Unix socket;
-the scheduler asks it with a timeout, and treats no answer as no hit.
+process's memory). The worker runs a small ZMQ ROUTER server on a Unix
+socket and answers on two threads; the scheduler asks through a DEALER
+without waiting for the answer (:meth:`LookupClient.ask`: it looks for it
+at each of vLLM's steps), and treats no answer within ``lookup_timeout`` as
+no hit. So a long prompt's disk lookup does not stop vLLM's scheduler.
 
 Wire format: msgpack maps, ``{"tokens": [...], "salt": str|None,
-"lora": str|None}`` -> ``{"hit": int, "runs": [[tier, end], ...]}``
-(``runs`` may be absent: an older worker's reply decodes with none).
+"lora": str|None, "id": int}`` -> ``{"hit": int, "runs": [[tier, end], ...],
+"id": int}`` (the question's number echoed; ``runs`` may be absent: an older
+worker's reply decodes with none).
 
 The socket is a file in a short per-user folder (:func:`lookup_socket_path`),
 never in ``run_dir``: a Unix socket path has at most 107 bytes, which a deep
