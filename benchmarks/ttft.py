@@ -33,6 +33,12 @@ Rows (``--peers`` chooses the peers; all by default):
 - ``vLLM SimpleCPUOffloadConnector``: vLLM's other in-process CPU tier; it
   needs prefix caching on, so vLLM's own cache is emptied
   (``/reset_prefix_cache``, ``VLLM_SERVER_DEV_MODE=1``) before each repeat.
+- ``short request ...`` (not with ``--no-concurrent``): a 64-token request sent
+  20 ms after the longest prompt, whose chunks load from disk in a fresh server
+  (``--concurrent-trials`` servers per loading mode, sync and async), against
+  three short requests alone in the same server; the control is the same in
+  the plain server, where vLLM's own prefix cache serves the long prompt and
+  nothing is loaded, so the delay left is the long prompt's own work.
 
     .venv/bin/python benchmarks/ttft.py [--quick] [--peers mooncake,example,lmcache,offloading,simple-cpu] [--json PATH]
     .venv/bin/python benchmarks/ttft.py --bases 8192 --readers disk,store-shm --peers mooncake --no-concurrent
@@ -88,6 +94,8 @@ class Run:
 
 #: Row labels of the short-request-during-a-long-load measurement: their own table, not the plot.
 CONCURRENT_ROWS = ("short request", "long prompt with")
+#: The control of that measurement: the long prompt from vLLM's own prefix cache, nothing loaded.
+CONTROL_MODE = "control: vLLM prefix cache, nothing loaded"
 
 #: ``--readers`` names -> the row label of our fresh-process readers.
 READERS = {
@@ -315,9 +323,9 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"our fresh-process readers to run, comma-separated from {','.join(READERS)}; '' for none")
     ap.add_argument("--no-concurrent", action="store_true",
                     help="skip the short-request-during-a-long-load measurement")
-    ap.add_argument("--concurrent-trials", type=int, default=3,
+    ap.add_argument("--concurrent-trials", type=int, default=5,
                     help="fresh servers per loading mode for the short-request-during-a-long-load measurement "
-                    "(default 3; medians are reported)")
+                    "(default 5; medians are reported)")
     args = ap.parse_args(argv)
     if args.replot:
         replot(args.replot)
@@ -370,6 +378,34 @@ def main(argv: list[str] | None = None) -> int:
                     s.reset_prefix_cache()
                 record(repeat, tokens, s)
 
+    longest = families[max(bases)]
+
+    def concurrent_trial(s: Server, mode: str, trial: int) -> tuple[list[float], float, float]:
+        """Three new short requests alone, then one 20 ms after the longest prompt:
+        ``(alone, during, long)`` latencies in seconds."""
+        # Short prompts are new each time (computed: nothing cached).
+        alone = [s.ttft([rng.randrange(10, vocab - 10) for _ in range(64)])[0] for _ in range(3)]
+        during, long_s = _short_during_load(s, longest, [rng.randrange(10, vocab - 10) for _ in range(64)])
+        print(f"  short request ({mode}, trial {trial + 1}): alone {_ms(alone)} ms, during the "
+              f"{len(longest)}-token prompt {during * 1000:.0f} ms (which took {long_s * 1000:.0f} ms)", flush=True)
+        return alone, during, long_s
+
+    def record_concurrent(mode: str, trials: list[tuple[list[float], float, float]]) -> None:
+        med = statistics.median
+        alone = [a for t in trials for a in t[0]]
+        during, long_s = [t[1] for t in trials], [t[2] for t in trials]
+        # Servers differ by up to ~200 ms on the same short request: compare within one.
+        delay = [t[1] - med(t[0]) for t in trials]
+        run.rows.append(Measure(f"short request alone ({mode})", 64, med(alone), 0,
+                                note=f"median of {len(alone)}: {_ms(alone)} ms"))
+        run.rows.append(Measure(f"short request while {len(longest)} tokens load ({mode})", 64,
+                                med(during), 0, note=f"median of {len(during)}: {_ms(during)} ms; the long "
+                                f"prompt took {_ms(long_s)} ms"))
+        run.rows.append(Measure(f"long prompt with a short one ({mode})", len(longest), med(long_s), 0,
+                                note=f"median of {len(long_s)}"))
+        run.rows.append(Measure(f"short request delayed by the load ({mode})", 64, med(delay), 0,
+                                note=f"median over servers of (during - alone): {_ms(delay)} ms"))
+
     def peer(label: str, name: str, kv: dict[str, Any], **server_kw: Any) -> None:
         try:
             _peer(label, name, kv, **server_kw)
@@ -401,6 +437,12 @@ def main(argv: list[str] | None = None) -> int:
         s = Server("plain", model, work, None, True, max_len)
         servers.append(s)
         same_process("recompute (plain vLLM)", "vLLM prefix cache, same process", s)
+        if not args.no_concurrent:
+            # The control of step 4: the long prompt served by vLLM's own prefix cache (nothing
+            # loaded), so the short request's delay is only the long prompt's own work (its HTTP
+            # handling, its last token's forward). One server: the prompt stays cached.
+            record_concurrent(CONTROL_MODE, [concurrent_trial(s, CONTROL_MODE, t)
+                                             for t in range(args.concurrent_trials)])
         s.stop()
 
         def run_peers() -> None:
@@ -500,39 +542,21 @@ def main(argv: list[str] | None = None) -> int:
         # One 64-token request takes 100-600 ms here and varies by up to ~200 ms from one server to
         # the next, so each mode runs --concurrent-trials fresh servers (the long prompt must load
         # from disk each time): per server, three short requests alone, then one 20 ms after the
-        # long prompt; the delay is that one against the same server's alone median.
-        longest = families[max(bases)]
+        # long prompt; the delay is that one against the same server's alone median. The control
+        # (step 1's plain server) is the same with nothing loaded.
         for mode in () if args.no_concurrent else ("sync", "async"):
-            alone, during, long_s, delay = [], [], [], []
+            trials = []
             for trial in range(args.concurrent_trials):
                 name = f"concurrent-{mode}-{trial}"
                 cfg = write_config(work / f"{name}.yaml", disk=disk, store=None)
                 s = Server(name, model, work, ours(cfg, run_dir=str(work / name / "run"),
                                                    async_loading=(mode == "async")), False, max_len)
                 servers.append(s)
-                # Short prompts are new each time (computed: nothing cached).
-                alone += [s.ttft([rng.randrange(10, vocab - 10) for _ in range(64)])[0] for _ in range(3)]
-                lat = _short_during_load(s, longest, [rng.randrange(10, vocab - 10) for _ in range(64)])
-                during.append(lat[0])
-                long_s.append(lat[1])
-                # Servers differ by up to ~200 ms on the same short request: compare within one.
-                delay.append(lat[0] - statistics.median(alone[-3:]))
+                trials.append(concurrent_trial(s, f"{mode} loads", trial))
                 s.stop()
-                print(f"  short request ({mode} loads, trial {trial + 1}): alone {_ms(alone[-3:])} ms, during a "
-                      f"{len(longest)}-token load {lat[0] * 1000:.0f} ms (the load took {lat[1] * 1000:.0f} ms)",
-                      flush=True)
-            med = statistics.median
-            run.rows.append(Measure(f"short request alone ({mode} loads)", 64, med(alone), 0,
-                                    note=f"median of {len(alone)}: {_ms(alone)} ms"))
-            run.rows.append(Measure(f"short request while {len(longest)} tokens load ({mode} loads)", 64,
-                                    med(during), 0, note=f"median of {len(during)}: {_ms(during)} ms; the long "
-                                    f"prompt took {_ms(long_s)} ms"))
-            run.rows.append(Measure(f"long prompt with a short one ({mode} loads)", len(longest), med(long_s), 0,
-                                    note=f"median of {len(long_s)}"))
-            run.rows.append(Measure(f"short request delayed by the load ({mode} loads)", 64, med(delay), 0,
-                                    note=f"median over servers of (during - alone): {_ms(delay)} ms"))
+            record_concurrent(f"{mode} loads", trials)
 
-        # 5. peers.
+        # 5. peers.        # 5. peers.
         run_peers()
     finally:
         for s in servers:
