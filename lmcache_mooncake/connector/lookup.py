@@ -200,7 +200,10 @@ class LookupServer:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        # Queued questions are dropped; running ones end first: they use the engine the
+        # worker closes next, and write to the wake pipe closed below (its number could
+        # otherwise be reused by another file meanwhile).
+        self._pool.shutdown(wait=True, cancel_futures=True)
         self._sock.close()
         self._ctx.term()
         os.close(self._wake_r)
