@@ -556,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
                 s.stop()
             record_concurrent(f"{mode} loads", trials)
 
-        # 5. peers.        # 5. peers.
+        # 5. peers.
         run_peers()
     finally:
         for s in servers:
