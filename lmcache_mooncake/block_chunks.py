@@ -89,14 +89,66 @@ def gather(paged: PagedKV, slots: torch.Tensor, out: torch.Tensor) -> None:
     copy(paged, slots, out, 0, out.shape[2], into_paged=False)
 
 
-def scatter(paged: PagedKV, slots: torch.Tensor, src: torch.Tensor, lo: int, hi: int) -> None:
+def scatter(paged: PagedKV, slots: torch.Tensor, src: torch.Tensor, lo: int, hi: int, runs: bool = True) -> None:
     """Write tokens ``[lo, hi)`` of the ``"blocks"`` chunk buffer ``src`` into paged KV at their
-    slots (``slots[t]`` is chunk token ``t``'s; at least ``hi`` of them). Nothing else changes."""
-    copy(paged, slots, src, lo, hi, into_paged=True)
+    slots (``slots[t]`` is chunk token ``t``'s; at least ``hi`` of them). Nothing else changes.
+    ``runs=False``: not the runs of whole blocks (already in place, see :func:`read_targets`)."""
+    copy(paged, slots, src, lo, hi, into_paged=True, runs=runs)
 
 
-def copy(paged: PagedKV, slots: torch.Tensor, buf: torch.Tensor, lo: int, hi: int, into_paged: bool) -> None:
-    """Move chunk tokens ``[lo, hi)`` between paged KV and a ``"blocks"`` chunk buffer."""
+def read_targets(paged: PagedKV, slots: list[int], tokens: int, scratch: memoryview, lo: int,
+                 hi: int) -> tuple[list[memoryview], bool] | None:
+    """Where to read a ``tokens``-token ``"blocks"`` chunk's payload so that a load of its tokens
+    ``[lo, hi)`` copies most of it once: ``(targets, rest)``, byte views in payload order
+    covering the whole payload, and whether anything is left to move afterwards.
+
+    The whole blocks that :func:`scatter` would copy as runs are views of paged KV
+    itself; every other byte (blocks a load covers in part, blocks outside
+    ``[lo, hi)``, the token-major tail) is a view of ``scratch`` (at least the payload's
+    size; a ``[2, L, tokens, H * D]`` buffer's bytes) at the byte's own offset. Once the
+    payload is read into them, and checked, ``rest`` says whether
+    ``scatter(paged, slots, buf, lo, hi, runs=False)`` must move the rest. ``slots``: chunk
+    token ``t``'s slot at ``slots[t]``, at least ``hi`` of them. Plain Python on purpose:
+    this runs once per chunk of every direct load. None where paged KV cannot be read into
+    (a layer not contiguous, not in CPU memory)."""
+    layers = paged.layer_bytes()
+    if layers is None:
+        return None
+    shape = paged.shape
+    n_tok = shape.block_size
+    if not 0 <= lo <= hi <= tokens or len(slots) < hi:
+        raise ValueError(f"tokens [{lo}, {hi}) of a {tokens}-token chunk need {hi} slots, got {len(slots)}")
+    n = tokens // n_tok
+    itemsize = shape.dtype.itemsize
+    payload = 2 * shape.num_layers * tokens * shape.num_kv_heads * shape.head_size * itemsize
+    if len(scratch) < payload:
+        raise ValueError(f"scratch holds {len(scratch)} bytes, the chunk's payload is {payload}")
+    split = min(hi, n * n_tok)
+    runs = list(_runs(slots, lo, split, n_tok)) if lo < split else []
+    num_blocks = paged.num_slots // n_tok
+    for _, b, count in runs:
+        if b < 0 or b + count > num_blocks:
+            raise ValueError(f"slots name blocks {b}..{b + count - 1}; paged KV has {num_blocks}")
+    block_bytes = paged.block_numel * itemsize
+    views: list[memoryview] = []
+    pos = 0
+    for layer, paged_bytes in enumerate(layers):
+        base = layer * n * block_bytes
+        for j, b, count in runs:
+            if base + j * block_bytes > pos:
+                views.append(scratch[pos : base + j * block_bytes])
+            views.append(paged_bytes[b * block_bytes : (b + count) * block_bytes])
+            pos = base + (j + count) * block_bytes
+    if payload > pos:
+        views.append(scratch[pos:payload])
+    covered = sum(count for _, _, count in runs) * n_tok
+    return views, hi > split or split - lo > covered
+
+
+def copy(paged: PagedKV, slots: torch.Tensor, buf: torch.Tensor, lo: int, hi: int, into_paged: bool,
+         runs: bool = True) -> None:
+    """Move chunk tokens ``[lo, hi)`` between paged KV and a ``"blocks"`` chunk buffer
+    (``runs=False``: all but the runs of whole blocks, which :func:`read_targets` put in place)."""
     n, blocks, tail = _parts(paged, buf)
     tokens, n_tok = buf.shape[2], paged.shape.block_size
     if not 0 <= lo <= hi <= tokens or slots.dim() != 1 or slots.numel() < hi:
@@ -109,6 +161,8 @@ def copy(paged: PagedKV, slots: torch.Tensor, buf: torch.Tensor, lo: int, hi: in
         raw = paged.raw_all
         for j, b, count in _runs(s, lo, split, n_tok):
             covered.update(range(j, j + count))
+            if not runs:
+                continue
             if raw is not None:
                 pairs = [(raw[:, b : b + count], blocks[:, j : j + count])]
             else:

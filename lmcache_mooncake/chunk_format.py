@@ -39,6 +39,7 @@ import hmac
 import json
 import struct
 from dataclasses import dataclass, field
+from typing import Any
 
 import blake3
 import torch
@@ -98,12 +99,20 @@ class Seal:
     def digest(self, key: str, dtype_name: str, shape: list[int], payload: memoryview | bytes | bytearray) -> str:
         if self.mac_key is None:
             return xxhash.xxh3_128_hexdigest(payload)
+        h = self.hasher(key, dtype_name, shape)
+        h.update(payload)
+        return h.hexdigest()
+
+    def hasher(self, key: str, dtype_name: str, shape: list[int]) -> Any:
+        """A streaming hasher (``update``, ``hexdigest``) whose digest over a payload fed in
+        parts equals :meth:`digest` of the whole (for payloads that do not lie in one piece)."""
+        if self.mac_key is None:
+            return xxhash.xxh3_128()
         # The MAC covers what the header claims, so a sealed payload cannot be
         # served under another key, dtype or shape.
         h = blake3.blake3(key=self.mac_key)
         h.update(json.dumps([FORMAT_VERSION, key, dtype_name, shape], separators=(",", ":")).encode())
-        h.update(payload)
-        return h.hexdigest()
+        return h
 
 
 CHECKSUM_SEAL = Seal(CHECKSUM)
@@ -242,12 +251,24 @@ def verify(header: ChunkHeader, payload: memoryview | bytes | bytearray) -> None
     """Check ``payload`` (the bytes after the header) against ``header``."""
     if len(payload) != header.payload_nbytes:
         raise ChunkVerificationError(f"payload is {len(payload)} bytes, shape needs {header.payload_nbytes}")
-    actual = header.seal.digest(header.key, str(header.dtype).removeprefix("torch."), list(header.shape), payload)
+    dtype_name = str(header.dtype).removeprefix("torch.")
+    check_digest(header, header.seal.digest(header.key, dtype_name, list(header.shape), payload))
+
+
+def check_digest(header: ChunkHeader, actual: str) -> None:
+    """Raise :class:`ChunkVerificationError` unless ``actual`` is the digest ``header`` holds."""
     if not hmac.compare_digest(actual, header.checksum):
         if header.seal.is_mac:
             raise ChunkVerificationError(
                 "MAC mismatch: the chunk is damaged or was written with another chunk auth secret")
         raise ChunkVerificationError("checksum mismatch: the chunk bytes are damaged")
+
+
+def payload_hasher(header: ChunkHeader) -> Any:
+    """A streaming hasher of ``header``'s seal for its payload, for a payload that does not lie
+    in one piece: ``update`` it with the payload in order, then :func:`check_digest` its
+    ``hexdigest()``."""
+    return header.seal.hasher(header.key, str(header.dtype).removeprefix("torch."), list(header.shape))
 
 
 def decode_into(data: memoryview | bytes | bytearray, expected_key: str, out: torch.Tensor,

@@ -142,7 +142,9 @@ class CacheConfig:
     #: Identity of the model in chunk keys; default: vLLM's served model name.
     model_id: str | None = None
     #: Read and check every disk chunk's checksum when it is first looked up,
-    #: so a damaged chunk is a miss before vLLM plans to load it.
+    #: so a damaged chunk is a miss before vLLM plans to load it. False: the
+    #: load reads each chunk once, straight into paged KV, and checks it there
+    #: (faster; a damaged chunk's blocks are recomputed, but vLLM counts them cached).
     verify_on_lookup: bool = True
     #: What vLLM does when a planned load fails: "recompute" or "fail".
     load_failure_policy: str = "recompute"

@@ -169,7 +169,8 @@ class PagedKVCopier(GPUConnectorInterface):
         # The paged tensors, validated once (vLLM passes the same list every step).
         self._paged: layouts.PagedKV | None = None
 
-    def _paged_kv(self, kvcaches: list[torch.Tensor]) -> layouts.PagedKV:
+    def paged_kv(self, kvcaches: list[torch.Tensor]) -> layouts.PagedKV:
+        """vLLM's paged tensors as one validated :class:`layouts.PagedKV` (kept while vLLM passes the same ones)."""
         paged = self._paged
         if paged is None or len(paged.kv_caches) != len(kvcaches) or any(
             a is not b for a, b in zip(paged.kv_caches, kvcaches, strict=True)
@@ -187,7 +188,7 @@ class PagedKVCopier(GPUConnectorInterface):
         self.batched_to_gpu([memory_obj], [start], [end], **kwargs)
 
     def batched_from_gpu(self, memory_objs, starts, ends, **kwargs: Any) -> None:  # type: ignore[override]
-        paged, slots = self._paged_kv(kwargs["kvcaches"]), kwargs["slot_mapping"]
+        paged, slots = self.paged_kv(kwargs["kvcaches"]), kwargs["slot_mapping"]
         for obj, start, end in zip(memory_objs, starts, ends, strict=True):
             if self.blocks:
                 block_chunks.gather(paged, slots[start:end], obj.tensor)
@@ -195,7 +196,7 @@ class PagedKVCopier(GPUConnectorInterface):
                 paged.gather(slots[start:end], obj.tensor)
 
     def batched_to_gpu(self, memory_objs, starts, ends, **kwargs: Any) -> None:  # type: ignore[override]
-        paged, slots = self._paged_kv(kwargs["kvcaches"]), kwargs["slot_mapping"]
+        paged, slots = self.paged_kv(kwargs["kvcaches"]), kwargs["slot_mapping"]
         skip = int(kwargs.get("skip_leading_tokens", 0))
         stop = int(kwargs.get("load_end", len(slots)))
         for obj, start, end in zip(memory_objs, starts, ends, strict=True):

@@ -603,6 +603,19 @@ class PagedKV:
         self.block_shape = tuple(first.shape[1:])
         self.block_numel = first[0].numel()
         self.raw_all = _stack(self.kv_caches)
+        self._layer_bytes: list[memoryview] | None = None
+
+    def layer_bytes(self) -> list[memoryview] | None:
+        """Each layer's paged tensor as one writable byte view (block ``b`` at ``b *
+        block_numel * itemsize``), for reads straight into paged KV; None where a
+        layer is not contiguous or not in CPU memory."""
+        if self._layer_bytes is None:
+            if self.device.type != "cpu" or not all(kv.is_contiguous() for kv in self.kv_caches):
+                return None
+            self._layer_bytes = [
+                memoryview(kv.reshape(-1).view(torch.uint8).numpy()).cast("B") for kv in self.kv_caches
+            ]
+        return self._layer_bytes
 
     @property
     def views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

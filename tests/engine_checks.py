@@ -253,7 +253,80 @@ def check_blocks_chunks_load_bit_exact_from_disk(tmp_path, kv):
         engine.close_engine(reader, rname)
 
 
+def check_worker_loads_disk_chunks_straight_into_paged_kv(tmp_path, kv):
+    """A load whose first chunk is in the CPU tier and the rest only on disk: the first through
+    LMCache's retrieve, the rest read into paged KV directly (connector.direct); tokens [skip,
+    end) land bit-exact and nothing else is written. A damaged chunk on disk stops the load
+    there: every block from it on is reported failed, the file is removed."""
+    from lmcache_mooncake.connector import worker
+    from lmcache_mooncake.connector.metadata import LoadOp
+
+    ns = KeyNamespace("m", "float32", L, H, D, 256, chunk_layout="blocks")
+    tokens = torch.arange(600) + 100
+    block_ids = torch.randperm(B)[: -(-600 // N)].tolist()
+    slots = [b * N + i for b in block_ids for i in range(N)][:600]
+    rc = engine.request_configs(None, None)
+    writer, wname = make_engine(tmp_path, ns=ns)
+    try:
+        writer.store(tokens, mask=None, kvcaches=kv, slot_mapping=torch.tensor(slots), request_configs=rc)
+        assert engine.drain(writer, 10)
+    finally:
+        engine.close_engine(writer, wname)
+    files = sorted(tmp_path.glob("*/*.lmcm"), key=lambda p: p.stat().st_mtime_ns)
+    assert len(files) == 3
+
+    def load(skip, end, seed):
+        cfg = CacheConfig(max_local_cpu_size=0.05, local_disk=str(tmp_path), verify_on_lookup=False)
+        name = f"test-{next(_ids)}"
+        side = worker.WorkerSide(cfg, "m", "CPU_ATTN", N, tmp_path, tmp_path / "lookup.sock", name, 0, 1)
+        out = [torch.full_like(t, float(seed)) for t in kv]
+        side.kv_caches, side.namespace = out, ns
+        side.engine = engine.build_engine(cfg, ns, side.layout, torch.float32, name)
+        try:
+            from lmcache_mooncake.connector.direct import DirectDiskLoader
+            side._direct = DirectDiskLoader.for_engine(side.engine)
+            assert side._direct is not None
+            # The first chunk into the CPU tier (read and kept by a checking lookup).
+            side._direct.tier.verify_on_lookup = True
+            assert side.engine.lookup(tokens=tokens[:256], request_configs=rc) == 256
+            side._direct.tier.verify_on_lookup = False
+            chunks = list(side.engine.token_database.process_tokens(tokens, request_configs=rc))
+            assert [(d, len(r)) for d, r in side._direct.segments(chunks, out)] == [(False, 1), (True, 2)]
+            op = LoadOp("r", tokens.tolist(), slots[:end], skip, end, block_ids)
+            failed = side._load(op)
+            return out, failed, side.stats.snapshot()
+        finally:
+            side.shutdown()
+
+    skip, end = N, 599
+    out, failed, stats = load(skip, end, 7)
+    assert failed == set(), failed
+    assert stats["disk_hits"] == 3 and stats["loaded_tokens"] == end - skip, stats  # 1 at the lookup
+    want = torch.empty(2, L, 600, H * D)
+    got = torch.empty(2, L, 600, H * D)
+    layout = layouts.layout_for_backend("CPU_ATTN")
+    layouts.gather_chunk(layout, kv, torch.tensor(slots), want)
+    layouts.gather_chunk(layout, out, torch.tensor(slots), got)
+    assert torch.equal(got[:, :, skip:end], want[:, :, skip:end])
+    assert (got[:, :, :skip] == 7).all() and (got[:, :, end:] == 7).all()
+    written = torch.zeros(B * N, dtype=torch.bool)
+    written[torch.tensor(slots[skip:end])] = True
+    others = (~written).nonzero().squeeze(1)
+    rest = torch.empty(2, L, others.numel(), H * D)
+    layouts.gather_chunk(layout, out, others, rest)
+    assert (rest == 7).all()
+
+    data = bytearray(files[1].read_bytes())
+    data[-100] ^= 0xFF
+    files[1].write_bytes(bytes(data))
+    out, failed, stats = load(0, 599, 3)
+    assert failed == set(block_ids[256 // N : -(-599 // N)]), failed
+    assert stats["disk_verify_failures"] == 1 and stats["loaded_tokens"] == 256, stats
+    assert not files[1].exists()
+
+
 CHECKS = {
+    "worker_loads_disk_chunks_straight_into_paged_kv": check_worker_loads_disk_chunks_straight_into_paged_kv,
     "blocks_chunks_load_bit_exact_from_disk": check_blocks_chunks_load_bit_exact_from_disk,
     "prefault_makes_the_cpu_pool_resident": check_prefault_makes_the_cpu_pool_resident,
     "store_then_fresh_engine_loads_bit_exact": check_store_then_fresh_engine_loads_bit_exact,

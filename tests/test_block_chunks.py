@@ -115,3 +115,68 @@ def test_which_layouts_keep_chunks_as_blocks():
     assert CpuAttnLayout("vec").chunk_layout(cpu, 200) == "tokens"  # chunks not whole blocks
     assert CpuAttnLayout("amx").chunk_layout(cpu.bfloat16(), 256) == "tokens"  # tiles
     assert GpuPagedLayout().chunk_layout(torch.empty(4, H, 16, 2 * 64), 256) == "tokens"
+
+
+@pytest.mark.parametrize(("order", "tail", "lo", "hi"), CASES)
+def test_a_payload_read_into_its_targets_then_the_rest_scattered_writes_what_scatter_writes(order, tail, lo, hi):
+    """read_targets puts the runs of whole blocks straight into paged KV and the rest into the
+    buffer; with scatter(runs=False) after it, the cache holds what scatter of the chunk gives."""
+    layout = CpuAttnLayout("vec")
+    src_kv, dst_kv, want_kv = caches(2), caches(3), caches(3)
+    slots = whole_block_slots(order, N, 0, tail)
+    t = slots.numel()
+    hi = t if hi is None else hi
+    chunk = torch.empty(2, L, t, H * D)
+    block_chunks.gather(layouts.PagedKV(layout, src_kv), slots, chunk)
+    payload = bytes(chunk.view(-1).view(torch.uint8).numpy())
+    dst_slots = whole_block_slots([9, 1, 2, 7][: len(order)], N, 0, tail)
+    block_chunks.scatter(layouts.PagedKV(layout, want_kv), dst_slots, chunk, lo, hi)
+
+    paged = layouts.PagedKV(layout, dst_kv)
+    scratch = torch.full_like(chunk, float("nan"))
+    views, rest = block_chunks.read_targets(paged, dst_slots.tolist(), t, _bytes(scratch), lo, hi)
+    assert sum(len(v) for v in views) == len(payload)
+    direct = sum(len(v) for v in views if v.obj is not None and v.nbytes and _in(v, dst_kv))
+    whole = sum(1 for j, b, c in block_chunks._runs(dst_slots.tolist(), lo, min(hi, (t // N) * N), N) for _ in range(c))
+    assert direct == whole * L * paged.block_numel * 4  # every whole block of [lo, hi) read in place
+    pos = 0
+    for v in views:
+        v[:] = payload[pos : pos + len(v)]
+        pos += len(v)
+    if rest:
+        block_chunks.scatter(paged, dst_slots, scratch, lo, hi, runs=False)
+    assert torch.equal(storage_bytes(dst_kv[0]), storage_bytes(want_kv[0]))
+    # Every whole block of [lo, hi) is read in place here; the rest is any other token of it.
+    inside = {j for j in range(t // N) if lo <= j * N and (j + 1) * N <= hi}
+    assert rest == any(tok // N not in inside for tok in range(lo, hi))
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def _in(view: memoryview, kv: list[torch.Tensor]) -> bool:
+    """Whether ``view`` lies in the paged tensors' memory."""
+    import ctypes
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    base = kv[0].untyped_storage().data_ptr()
+    return base <= addr < base + kv[0].untyped_storage().nbytes()
+
+
+def test_read_targets_refuses_paged_kv_it_cannot_read_into():
+    """Layers whose blocks are not one contiguous array (every other block of a bigger one)."""
+    kv = [torch.cat([t, t]).view(2, *t.shape).transpose(0, 1).reshape(2 * BLOCKS, *t.shape[1:])[::2]
+          for t in caches(8, apart=True)]
+    assert not kv[0].is_contiguous()
+    paged = layouts.PagedKV(CpuAttnLayout("vec"), kv)
+    slots = whole_block_slots([1, 2], N)
+    assert paged.layer_bytes() is None
+    assert block_chunks.read_targets(paged, slots.tolist(), 2 * N, _bytes(torch.empty(2, L, 2 * N, H * D)),
+                                     0, 2 * N) is None
+
+
+def test_read_targets_refuses_slots_outside_paged_kv():
+    paged = layouts.PagedKV(CpuAttnLayout("vec"), caches(9))
+    slots = whole_block_slots([BLOCKS - 1, BLOCKS], N)  # the second block is past the end
+    with pytest.raises(ValueError, match="paged KV has 10"):
+        block_chunks.read_targets(paged, slots.tolist(), 2 * N, _bytes(torch.empty(2, L, 2 * N, H * D)), 0, 2 * N)

@@ -111,3 +111,26 @@ def test_header_size_is_known_before_the_bytes(seal, shape, dtype):
     assert header_nbytes(key, dtype, shape, s) == len(encode_header(key, t, s))
     # The payload starts 8-byte aligned whatever the header holds.
     assert header_nbytes(key + "x", dtype, shape, s) % 8 == 0
+
+
+@pytest.mark.parametrize("seal", ["checksum", "mac"])
+def test_a_payload_hashed_in_pieces_checks_as_the_whole_does(seal):
+    """What readers that scatter a payload (a disk chunk read straight into paged KV) rely on:
+    the streaming hasher over pieces gives the digest the header holds, and a changed piece fails."""
+    from lmcache_mooncake.chunk_format import (CHECKSUM_SEAL, check_digest, encode_header, mac_seal, parse_header,
+                                               payload_hasher, tensor_bytes)
+
+    s = CHECKSUM_SEAL if seal == "checksum" else mac_seal(b"a-secret-of-enough-bytes")
+    t = torch.randn(2, 3, 40, 16)
+    header = parse_header(encode_header("k", t, s), "k", s)
+    data = bytearray(tensor_bytes(t))
+    cuts = [0, 1, 4096, 4100, len(data) // 2, len(data)]
+    h = payload_hasher(header)
+    for a, b in zip(cuts, cuts[1:]):
+        h.update(memoryview(data)[a:b])
+    check_digest(header, h.hexdigest())
+    data[5000] ^= 1
+    h = payload_hasher(header)
+    h.update(data)
+    with pytest.raises(ChunkVerificationError, match="mismatch"):
+        check_digest(header, h.hexdigest())

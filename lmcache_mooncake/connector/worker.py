@@ -17,6 +17,7 @@ import torch
 
 from lmcache_mooncake import affinity, layouts
 from lmcache_mooncake.config import CacheConfig
+from lmcache_mooncake.connector.direct import DirectDiskLoader
 from lmcache_mooncake.connector.lookup import LookupReply, LookupServer
 from lmcache_mooncake.connector.metadata import LoadOp, SaveOp, StepMetadata
 from lmcache_mooncake.engine import (
@@ -66,6 +67,7 @@ class WorkerSide:
         self.tp_size = tp_size
         self.kv_caches: list[torch.Tensor] = []
         self.engine = None
+        self._direct: DirectDiskLoader | None = None
         self.namespace: KeyNamespace | None = None
         self.lookup_server: LookupServer | None = None
         self._failed_blocks: set[int] = set()
@@ -101,6 +103,7 @@ class WorkerSide:
             chunk_layout=self.layout.chunk_layout(first, self.cfg.chunk_size),
         )
         self.engine = build_engine(self.cfg, self.namespace, self.layout, first.dtype, self.instance_id)
+        self._direct = DirectDiskLoader.for_engine(self.engine)
         if self.tp_rank == 0:
             self.lookup_server = LookupServer(self.lookup_socket, self.lookup)
         ns = self.namespace
@@ -152,7 +155,12 @@ class WorkerSide:
                 self._failed_blocks.update(self._load(op))
 
     def _load(self, op: LoadOp) -> set[int]:
-        """Load one request's planned chunks; returns the blocks that were not loaded."""
+        """Load one request's planned chunks; returns the blocks that were not loaded.
+
+        The chunks go in order, in runs: those the CPU tier does not hold and the
+        disk tier does straight from their files into paged KV (:mod:`.direct`),
+        the others through LMCache's ``retrieve``. The first chunk not loaded
+        stops the load; every block from it on is returned."""
         self._require_engine()
         tokens = torch.tensor(op.token_ids, dtype=torch.long)
         slots = torch.tensor(op.slots, dtype=torch.long)
@@ -163,21 +171,21 @@ class WorkerSide:
         logger.debug("request %s: loading tokens [%d, %d) from chunks starting at %d",
                      op.req_id, op.start, op.end, aligned)
         t0 = time.perf_counter()
+        rc = request_configs(op.cache_salt, op.lora)
+        loaded = aligned
         try:
-            ret = self.engine.retrieve(
-                tokens,
-                mask=mask,
-                kvcaches=self.kv_caches,
-                slot_mapping=slots,
-                skip_leading_tokens=op.start,
-                load_end=op.end,
-                request_configs=request_configs(op.cache_salt, op.lora),
-                req_id=op.req_id,
-            )
-            loaded = int(ret[aligned:].long().cumprod(0).sum().item()) + aligned
+            chunks = list(self.engine.token_database.process_tokens(tokens, mask=mask, request_configs=rc))
+            runs = self._direct.segments(chunks, self.kv_caches) if self._direct is not None else [(False, chunks)]
+            for direct, run in runs:
+                first, last = run[0][0], run[-1][1]
+                if direct:
+                    loaded = self._direct.load(run, self.kv_caches, op.slots, op.start, op.end)
+                else:
+                    loaded = self._retrieve(op, tokens[:last], slots, first, rc)
+                if loaded < last:
+                    break
         except Exception:
             logger.exception("request %s: loading cached KV failed; vLLM will recompute", op.req_id)
-            loaded = aligned
         bad: list[int] = []
         if loaded < op.end:
             # Every block holding a token we promised but did not load.
@@ -197,6 +205,24 @@ class WorkerSide:
         # reads the counters after the request's answer sees this load in them.
         self.stats.dump(self.stats_path, force=True)
         return set(bad)
+
+    def _retrieve(self, op: LoadOp, tokens: torch.Tensor, slots: torch.Tensor, first: int,
+                  rc: dict) -> int:
+        """LMCache's retrieve of the chunks of ``tokens`` from ``first`` (a chunk start) on;
+        returns where the loaded prefix ends."""
+        mask = torch.zeros(len(tokens), dtype=torch.bool)
+        mask[first:] = True
+        ret = self.engine.retrieve(
+            tokens,
+            mask=mask,
+            kvcaches=self.kv_caches,
+            slot_mapping=slots,
+            skip_leading_tokens=op.start,
+            load_end=op.end,
+            request_configs=rc,
+            req_id=op.req_id,
+        )
+        return first + int(ret[first:].long().cumprod(0).sum().item())
 
     def save(self, meta: StepMetadata) -> None:
         for op in meta.saves:

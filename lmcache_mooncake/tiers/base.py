@@ -99,6 +99,9 @@ class EngineContext:
         self.namespace: KeyNamespace | None = None
         #: What ``engine.build_engine`` touched of the CPU tier (a ``prefault.Prefault``; None: not done).
         self.prefault: Any = None
+        #: The verified tiers LMCache built for this engine, by plug-in name (the worker
+        #: loads from the disk tier straight into paged KV, see ``connector.direct``).
+        self.tiers: dict[str, Any] = {}
 
     def set_seal(self, seal: chunk_format.Seal) -> None:
         """Use ``seal`` for every chunk written and read from now on (before any tier I/O)."""
@@ -142,6 +145,7 @@ class VerifiedTier(RemoteConnector):
             ) from None
         self.stats = self.ctx.stats
         self._manifest = ManifestRecorder(self.PLUGIN_NAME)
+        self.ctx.tiers[self.PLUGIN_NAME] = self
 
     @classmethod
     def plugin_extra_config(cls) -> dict[str, Any]:

@@ -11,7 +11,10 @@ that fails its check is a miss, is counted, logged and removed. Reads go
 straight into LMCache's buffer (``readinto``) and are checked there: one copy.
 With ``verify_on_lookup`` a lookup reads and checks each chunk it has not
 checked before and keeps it in the CPU tier, so the load that follows copies
-it once into paged KV and reads nothing again. The chunks of one lookup (or
+it once into paged KV and reads nothing again. A chunk the CPU tier does not
+hold at load time (``verify_on_lookup`` off, or no room) is read by
+:meth:`DiskTierConnector.read_into` straight into paged KV
+(``connector/direct.py``): one copy, checked where it landed. The chunks of one lookup (or
 one load) are read and checked by a few threads at once, one per core the
 process may use (:data:`READ_THREADS` at most): each read is a copy out of the
 page cache, which runs at one core's memory bandwidth. Writes go to a temporary file
@@ -33,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 
@@ -62,6 +66,49 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _preadv_all(fd: int, targets: list[memoryview], offset: int) -> int:
+    """``os.preadv`` of ``targets`` from ``offset``, resumed after short reads; bytes read."""
+    done, i, total = 0, 0, sum(len(t) for t in targets)
+    todo = list(targets)
+    while i < len(todo):
+        n = os.preadv(fd, todo[i : i + _IOV_MAX], offset + done)
+        if n <= 0:
+            break
+        done += n
+        while i < len(todo) and n >= len(todo[i]):
+            n -= len(todo[i])
+            i += 1
+        if n:
+            todo[i] = todo[i][n:]
+    return min(done, total)
+
+
+#: Most buffers one ``preadv`` takes (Linux's IOV_MAX).
+_IOV_MAX = 1024
+#: Bytes read (then hashed) at a time by :meth:`DiskTierConnector.read_into`: small enough to
+#: stay in a core's cache between the read and the hash.
+_PIECE_BYTES = 512 << 10
+
+
+def _pieces(views: list[memoryview], size: int) -> list[list[memoryview]]:
+    """``views`` cut into consecutive groups of at most ``size`` bytes (views split where needed)."""
+    out: list[list[memoryview]] = []
+    cur: list[memoryview] = []
+    room = size
+    for v in views:
+        while len(v):
+            take = v[:room]
+            cur.append(take)
+            v = v[len(take):]
+            room -= len(take)
+            if room == 0:
+                out.append(cur)
+                cur, room = [], size
+    if cur:
+        out.append(cur)
+    return out
 
 
 def chunk_file_name(key: CacheEngineKey) -> str:
@@ -174,6 +221,66 @@ class DiskTierConnector(VerifiedTier):
             self._verified[str(path)] = (st.st_size, st.st_mtime_ns)
         self.stats.add("disk_bytes_read", st.st_size)
         return obj
+
+    def has(self, key: CacheEngineKey) -> bool:
+        """Whether a file is there for ``key`` (not read or checked)."""
+        try:
+            return self._path(key).is_file()
+        except ValueError:
+            return False
+
+    def read_into(self, key: CacheEngineKey, shape: tuple[int, ...], dtype: torch.dtype,
+                  targets: list[memoryview]) -> bool:
+        """Read the chunk ``key`` (of ``dtype`` and ``shape``) into ``targets`` (byte views covering
+        its payload in order, see ``block_chunks.read_targets``) and check it there: one copy.
+
+        False for a missing file, and for one that fails its check (counted, logged and removed);
+        then what ``targets`` hold is undefined and must not be used."""
+        try:
+            path = self._path(key)
+            f = open(path, "rb")
+        except (FileNotFoundError, ValueError):
+            return False
+        with f:
+            fd = f.fileno()
+            size = os.fstat(fd).st_size
+            try:
+                head = os.pread(fd, 4096, 0)
+                (hlen,) = struct.unpack("<Q", head[:8]) if len(head) >= 8 else (0,)
+                if 8 + hlen > len(head):
+                    head += os.pread(fd, min(8 + hlen, chunk_format.HEADER_ROOM) - len(head), len(head))
+                header = chunk_format.parse_header(head, key.to_string(), self.ctx.seal)
+                if header.shape != tuple(shape) or header.dtype != dtype:
+                    raise chunk_format.ChunkVerificationError(
+                        f"chunk is {header.dtype} {list(header.shape)}, expected {dtype} {list(shape)}")
+                if header.total_nbytes != size:
+                    raise chunk_format.ChunkVerificationError(f"file is {size} bytes, its header says {header.total_nbytes}")
+                if sum(len(t) for t in targets) != header.payload_nbytes:
+                    raise ValueError(f"targets hold {sum(len(t) for t in targets)} bytes, the payload is "
+                                     f"{header.payload_nbytes}")
+                # Read in pieces and hash each right after it lands, while it is still in
+                # the core's cache: the check then costs no pass over memory of its own.
+                hasher = chunk_format.payload_hasher(header)
+                offset = header.payload_offset
+                for piece in _pieces(targets, _PIECE_BYTES):
+                    got = _preadv_all(fd, piece, offset)
+                    if got != sum(len(t) for t in piece):
+                        raise chunk_format.ChunkVerificationError(
+                            f"read {offset - header.payload_offset + got} of {header.payload_nbytes} payload bytes")
+                    for part in piece:
+                        hasher.update(part)
+                    offset += got
+                chunk_format.check_digest(header, hasher.hexdigest())
+            except chunk_format.ChunkVerificationError as e:
+                self._discard_bad(path, str(e))
+                return False
+        self.stats.add("disk_hits")
+        self.stats.add("disk_bytes_read", size)
+        return True
+
+    def map_reads(self, fn: Any, items: list) -> list:
+        """``[fn(x) for x in items]``, on this tier's reader threads when there are several."""
+        return self._map(fn, items)
 
     def _verify_unkept(self, path: Path, key: CacheEngineKey) -> bool:
         try:
