@@ -1,5 +1,7 @@
 """Stored chunks: round-trip exactly; any damage is detected."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -117,8 +119,15 @@ def test_header_size_is_known_before_the_bytes(seal, shape, dtype):
 def test_a_payload_hashed_in_pieces_checks_as_the_whole_does(seal):
     """What readers that scatter a payload (a disk chunk read straight into paged KV) rely on:
     the streaming hasher over pieces gives the digest the header holds, and a changed piece fails."""
-    from lmcache_mooncake.chunk_format import (CHECKSUM_SEAL, check_digest, encode_header, mac_seal, parse_header,
-                                               payload_hasher, tensor_bytes)
+    from lmcache_mooncake.chunk_format import (
+        CHECKSUM_SEAL,
+        check_digest,
+        encode_header,
+        mac_seal,
+        parse_header,
+        payload_hasher,
+        tensor_bytes,
+    )
 
     s = CHECKSUM_SEAL if seal == "checksum" else mac_seal(b"a-secret-of-enough-bytes")
     t = torch.randn(2, 3, 40, 16)
@@ -126,7 +135,7 @@ def test_a_payload_hashed_in_pieces_checks_as_the_whole_does(seal):
     data = bytearray(tensor_bytes(t))
     cuts = [0, 1, 4096, 4100, len(data) // 2, len(data)]
     h = payload_hasher(header)
-    for a, b in zip(cuts, cuts[1:]):
+    for a, b in itertools.pairwise(cuts):
         h.update(memoryview(data)[a:b])
     check_digest(header, h.hexdigest())
     data[5000] ^= 1

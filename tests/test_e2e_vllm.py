@@ -179,3 +179,37 @@ def test_damaged_chunk_is_a_miss_and_output_stays_right(model, work, disk, basel
     # The damaged file was removed; C recomputed the chunk and stored a good copy.
     good = decode(victim.read_bytes(), victim_key(ns, second))
     assert good.shape[2] == CHUNK
+
+
+def test_one_pass_loads_match_recompute_and_a_damaged_chunk_is_recomputed(model, work, disk, baseline, run_b):
+    """``verify_on_lookup: false``: a fresh process reads disk chunks once, straight into paged KV
+    (connector/direct.py), and checks them there. Tokens equal the baseline's; the damaged chunk
+    is caught at load time (counted), its blocks recomputed, and only then does the output stay
+    right (the control: the same bytes loaded unchecked would be a wrong answer)."""
+    damaged = work / "disk-one-pass"
+    shutil.copytree(disk, damaged)
+    (ns_dir,) = damaged.iterdir()
+    ns = KeyNamespace(model=str(model), kv_dtype="float32", num_layers=4, num_kv_heads=2,
+                      head_size=64, chunk_size=CHUNK, chunk_layout="blocks")
+    victim = damaged / keys.file_name(ns, chunk_keys(ns, P["exact"])[1])
+    data = bytearray(victim.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 64):
+        data[i] ^= 0x5A
+    victim.write_bytes(bytes(data))
+
+    extra = {"max_local_cpu_size": 0.5, "run_dir": str(work / "D" / "run"), "local_disk": str(damaged),
+             "verify_on_lookup": False}
+    plan = [("plus", None), ("exact", None), ("x", None)]
+    spec = RunSpec(model=str(model), prompts=[P[n] for n, _ in plan], cache_salts=[None] * len(plan),
+                   kv_role="kv_both", extra_config=extra, prefix_caching=False, max_tokens=12)
+    results = run_instance(spec, work / "D")
+    stats = read_offline(work / "D" / "run")
+    for (name, _), r in zip(plan, results, strict=True):
+        assert r.output_ids == baseline[name], name
+    assert results[0].cached_tokens == 2 * CHUNK + 17 and results[2].cached_tokens == len(P["x"]) - 1
+    # Chunk 1 of "exact" failed its check at load time: one failed load, one verify failure,
+    # and chunks were read from disk (plus: 3, exact: 1 good one, x: 3).
+    assert stats.count("vllm:lmcm_verify_failures") == 1
+    assert stats.count("vllm:lmcm_load_failures") == 1
+    assert stats.count("vllm:lmcm_chunk_hits", tier="disk") == 3 + 1 + 3
+    assert not victim.exists()
