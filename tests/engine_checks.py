@@ -283,15 +283,15 @@ def check_worker_loads_disk_chunks_straight_into_paged_kv(tmp_path, kv):
         side.kv_caches, side.namespace = out, ns
         side.engine = engine.build_engine(cfg, ns, side.layout, torch.float32, name)
         try:
-            from lmcache_mooncake.connector.direct import DirectDiskLoader
-            side._direct = DirectDiskLoader.for_engine(side.engine)
+            from lmcache_mooncake.connector.direct import DirectLoader
+            side._direct = DirectLoader.for_engine(side.engine)
             assert side._direct is not None
             # The first chunk into the CPU tier (read and kept by a checking lookup).
             side._direct.tier.verify_on_lookup = True
             assert side.engine.lookup(tokens=tokens[:256], request_configs=rc) == 256
             side._direct.tier.verify_on_lookup = False
             chunks = list(side.engine.token_database.process_tokens(tokens, request_configs=rc))
-            assert [(d, len(r)) for d, r in side._direct.segments(chunks, out)] == [(False, 1), (True, 2)]
+            assert [(d, len(r)) for d, r in side._direct.segments(chunks, out)] == [("engine", 1), ("disk", 2)]
             op = LoadOp("r", tokens.tolist(), slots[:end], skip, end, block_ids)
             failed = side._load(op)
             return out, failed, side.stats.snapshot()

@@ -160,6 +160,66 @@ elif check == "timeout":
         print("timed-out get: 3 buffers quarantined,", n, "tokens loaded after SIGCONT, in", round(took, 2), "s")
     finally:
         engine.close_engine(eng, "reader")
+elif check == "worker_shm":
+    # A worker's load in shm mode, chunks in the "blocks" layout: each chunk goes from the
+    # staging region, where it is checked, straight into paged KV (connector/direct.py); none
+    # is copied into an LMCache buffer first. Then a damaged chunk stops the load there.
+    from lmcache_mooncake.connector import worker
+    from lmcache_mooncake.connector.direct import DirectLoader
+    from lmcache_mooncake.connector.metadata import LoadOp
+    from lmcache_mooncake.store.client import StoreClient
+    from lmcache_mooncake.tiers.mooncake import object_name
+    from pathlib import Path
+    NB = KeyNamespace("direct-worker-shm", "float32", L, H, D, 256, chunk_layout="blocks")
+    block_ids = torch.randperm(B)[: -(-TOKENS // N)].tolist()
+    bslots = [b * N + i for b in block_ids for i in range(N)][:TOKENS]
+    mc = MooncakeConfig(store_dir=sd, mode="tcp", timeout=5.0, local_buffer_size=16 << 20)
+    w = engine.build_engine(CacheConfig(max_local_cpu_size=0.05, mooncake=mc), NB, layout, torch.float32, "wb")
+    w.store(tokens, mask=None, kvcaches=kv, slot_mapping=torch.tensor(bslots), request_configs=rc)
+    assert engine.drain(w, 30)
+    engine.close_engine(w, "wb")
+
+    def worker_load(name, skip, end):
+        cfg = CacheConfig(max_local_cpu_size=0.05, mooncake=MooncakeConfig(store_dir=sd, mode="shm", timeout=5.0,
+                                                                          local_buffer_size=16 << 20))
+        run = Path(sd) / name
+        run.mkdir()
+        side = worker.WorkerSide(cfg, "m", "CPU_ATTN", N, run, run / "lookup.sock", name, 0, 1)
+        out = [torch.full_like(t, 7.0) for t in kv]
+        side.kv_caches, side.namespace = out, NB
+        side.engine = engine.build_engine(cfg, NB, layout, torch.float32, name)
+        try:
+            side._direct = DirectLoader.for_engine(side.engine)
+            chunks = list(side.engine.token_database.process_tokens(tokens, request_configs=rc))
+            assert [(k, len(r)) for k, r in side._direct.segments(chunks, out)] == [("store", 4)]
+            failed = side._load(LoadOp("r", tokens.tolist(), bslots[:end], skip, end, block_ids))
+            return out, failed, side.stats.snapshot(), chunks
+        finally:
+            side.shutdown()
+
+    staged_copies[0] = 0
+    out, failed, c, chunks = worker_load("ws1", N, TOKENS - 1)
+    assert failed == set() and c["loaded_tokens"] == TOKENS - 1 - N, (failed, c)
+    assert (c.get("store_staged_reads"), c.get("store_direct_reads", 0), staged_copies[0]) == (4, 0, 0), c
+    got = torch.empty(2, L, TOKENS, H * D)
+    want = torch.empty(2, L, TOKENS, H * D)
+    layouts.gather_chunk(layout, out, torch.tensor(bslots), got)
+    layouts.gather_chunk(layout, kv, torch.tensor(bslots), want)
+    assert torch.equal(got[:, :, N:TOKENS - 1], want[:, :, N:TOKENS - 1])
+    assert (got[:, :, :N] == 7).all() and (got[:, :, TOKENS - 1:] == 7).all()
+
+    name = object_name(chunks[2][2])
+    with StoreClient.from_state(sd, timeout_s=5.0, local_buffer_bytes=4 << 20) as cl:
+        size = cl.batch_object_sizes([name])[0]
+        buf = bytearray(size)
+        assert cl.batch_get_into([name], [buf]) == [size]
+        buf[-5] ^= 0xFF
+        assert cl.batch_remove([name], force=True) == [0]
+        assert cl.batch_put([name], [bytes(buf)]) == [0]
+    out, failed, c, _ = worker_load("ws2", 0, TOKENS - 1)
+    assert failed == set(block_ids[512 // N : -(-(TOKENS - 1) // N)]), failed
+    assert c["store_verify_failures"] == 1 and c["store_bad_removed"] == 1 and c["loaded_tokens"] == 512, c
+    print("worker shm load: 4 chunks from staging into paged KV, none copied out of staging first")
 print("OK")
 """
 
@@ -183,6 +243,10 @@ def test_tcp_loads_full_chunks_directly_and_shm_through_staging(store):
 
 def test_damaged_chunk_read_directly_is_a_miss_and_removed(store):
     print(run_check("damaged", store))
+
+
+def test_a_worker_in_shm_mode_copies_staged_chunks_straight_into_paged_kv(store):
+    print(run_check("worker_shm", store))
 
 
 @pytest.mark.faults

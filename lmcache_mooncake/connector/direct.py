@@ -1,23 +1,30 @@
-"""Loads from the disk tier straight into paged KV: one copy of each byte.
+"""Loads that skip LMCache's buffers: each byte copied once on its way into paged KV.
 
 Through LMCache's ``retrieve`` a disk chunk is read into a buffer of LMCache's
 CPU tier and then copied into paged KV by our copier: two passes over every
-byte. Where chunks keep the backend's own blocks (chunk layout ``"blocks"``),
-:class:`DirectDiskLoader` reads each chunk file with one ``preadv`` whose
-buffers are the paged blocks themselves (:func:`block_chunks.read_targets`),
-checks the bytes where they landed, and copies what is left (blocks the load
-covers in part, the partial last block) from a small per-thread buffer.
+byte (three for a store get over shared memory, which lands in the store
+client's staging region first). Where chunks keep the backend's own blocks
+(chunk layout ``"blocks"``), :class:`DirectLoader` instead
+
+- reads each disk chunk with one ``preadv`` whose buffers are the paged
+  blocks themselves (:func:`block_chunks.read_targets`), checks the bytes
+  where they landed, and copies what is left (blocks the load covers in
+  part, the partial last block) from a small per-thread buffer;
+- copies each store chunk from the client's staging region, where it is
+  checked, straight into paged KV (``shm`` mode, and whenever the store tier
+  cannot get into LMCache's buffers directly; in ``tcp`` mode the tier's own
+  direct get already makes two copies, and LMCache's ``retrieve`` keeps it).
 
 Who calls: :meth:`WorkerSide._load`, on the worker, for a load's chunks that
-the CPU tier does not hold and the disk tier does (:meth:`segments`); the
-others still go through LMCache's ``retrieve`` (CPU tier, store). Chunks read
-here are not kept in the CPU tier: vLLM's own prefix cache holds them next.
+the CPU tier does not hold (:meth:`DirectLoader.segments`); the others still
+go through LMCache's ``retrieve``. Chunks loaded here are not kept in the CPU
+tier: vLLM's own prefix cache holds them next.
 
-A chunk that fails its check (or whose file went away) stops the load there:
-the disk tier counts, logs and removes it, and the worker reports every block
-from that chunk on as failed, so vLLM recomputes them (they may hold part of
-the bad bytes; nothing is served from them). The chunks of one segment are
-read on the disk tier's reader threads, one per core.
+A chunk that fails its check (or is gone) stops the load there: the tier
+counts, logs and removes it, and the worker reports every block from that
+chunk on as failed, so vLLM recomputes them (they may hold part of the bad
+bytes; nothing is served from them). The chunks of one disk run are read on
+the disk tier's reader threads, one per core; a store run is one batched get.
 """
 
 from __future__ import annotations
@@ -32,40 +39,54 @@ from lmcache.utils import CacheEngineKey
 from lmcache_mooncake import block_chunks
 from lmcache_mooncake.engine import context
 from lmcache_mooncake.layouts import PagedKV
-from lmcache_mooncake.tiers import disk
+from lmcache_mooncake.tiers import disk, mooncake
 
 #: One chunk of a load: ``(start, end, key)`` as the key database yields it.
 Chunk = tuple[int, int, CacheEngineKey]
+#: Where :meth:`DirectLoader.segments` sends a run of chunks.
+ENGINE, DISK, STORE = "engine", "disk", "store"
 
 
-class DirectDiskLoader:
-    """Reads disk chunks straight into paged KV for one engine; see the module docstring."""
+class DirectLoader:
+    """Loads chunks the CPU tier does not hold straight into paged KV for one engine; see the
+    module docstring."""
 
-    def __init__(self, engine: Any, tier: disk.DiskTierConnector):
+    def __init__(self, engine: Any, disk_tier: disk.DiskTierConnector | None,
+                 store_tier: mooncake.MooncakeTierConnector | None):
         self.engine = engine
-        self.tier = tier
+        self.tier = disk_tier
+        self.store = store_tier
         self.copier = engine.gpu_connector
         self._scratch = threading.local()
 
     @classmethod
-    def for_engine(cls, engine: Any) -> DirectDiskLoader | None:
+    def for_engine(cls, engine: Any) -> DirectLoader | None:
         """A loader for ``engine`` (built by ``engine.build_engine``), or None where it cannot
-        help: no disk tier, or chunks kept token-major (their bytes need a transposing copy)."""
-        tier = context(engine).tiers.get(disk.PLUGIN_NAME)
-        if tier is None or not getattr(engine.gpu_connector, "blocks", False):
+        help: no disk or store tier, or chunks kept token-major (their bytes need a
+        transposing copy)."""
+        tiers = context(engine).tiers
+        disk_tier, store_tier = tiers.get(disk.PLUGIN_NAME), tiers.get(mooncake.PLUGIN_NAME)
+        if (disk_tier is None and store_tier is None) or not getattr(engine.gpu_connector, "blocks", False):
             return None
-        return cls(engine, tier)
+        return cls(engine, disk_tier, store_tier)
 
-    def segments(self, chunks: list[Chunk], kv_caches: list[torch.Tensor]) -> Iterator[tuple[bool, list[Chunk]]]:
-        """Split a load's chunks, in order, into runs read here (``True``: not in the CPU tier,
-        a file on disk) and runs left to LMCache's retrieve (``False``)."""
+    def segments(self, chunks: list[Chunk], kv_caches: list[torch.Tensor]) -> Iterator[tuple[str, list[Chunk]]]:
+        """Split a load's chunks, in order, into runs of one kind: :data:`DISK` (not in the CPU
+        tier, a file on disk), :data:`STORE` (neither, and the store tier gets through its
+        staging region), :data:`ENGINE` (the rest: LMCache's retrieve)."""
         direct_ok = self.copier.paged_kv(kv_caches).layer_bytes() is not None
         cpu = self.engine.storage_manager.local_cpu_backend
+        store_ok = direct_ok and self.store is not None and self.store.gets_through_staging()
         run: list[Chunk] = []
-        kind = False
+        kind = ENGINE
         for chunk in chunks:
             key = chunk[2]
-            here = direct_ok and not (cpu is not None and cpu.contains(key)) and self.tier.has(key)
+            here = ENGINE
+            if direct_ok and not (cpu is not None and cpu.contains(key)):
+                if self.tier is not None and self.tier.has(key):
+                    here = DISK
+                elif store_ok:
+                    here = STORE
             if run and here != kind:
                 yield kind, run
                 run = []
@@ -74,8 +95,50 @@ class DirectDiskLoader:
         if run:
             yield kind, run
 
-    def load(self, chunks: list[Chunk], kv_caches: list[torch.Tensor], slots: list[int],
+    def load(self, kind: str, chunks: list[Chunk], kv_caches: list[torch.Tensor], slots: list[int],
              start: int, end: int) -> int:
+        """Load a run of ``kind`` (:data:`DISK` or :data:`STORE`) as :meth:`load_disk` and
+        :meth:`load_store` do."""
+        if kind == DISK:
+            return self.load_disk(chunks, kv_caches, slots, start, end)
+        if kind == STORE:
+            return self.load_store(chunks, kv_caches, slots, start, end)
+        raise ValueError(f"not a direct run: {kind!r}")
+
+    def load_store(self, chunks: list[Chunk], kv_caches: list[torch.Tensor], slots: list[int],
+                   start: int, end: int) -> int:
+        """Get ``chunks`` (consecutive) from the store in one batched call and copy each from the
+        client's staging region, where it is checked, into paged KV (tokens in ``[start, end)``
+        only). Returns where the loaded prefix ends."""
+        paged = self.copier.paged_kv(kv_caches)
+        shape = paged.shape
+        hidden = shape.num_kv_heads * shape.head_size
+        names = [mooncake.object_name(key) for _, _, key in chunks]
+        done = [False] * len(chunks)
+
+        def take(j: int, data: memoryview, bad: list[str]) -> None:
+            first, last, key = chunks[j]
+            lo, hi = max(start, first) - first, min(end, last) - first
+            dims = (2, shape.num_layers, last - first, hidden)
+            header = self.store.check_staged(key, data, dims, shape.dtype, bad)
+            if header is None:
+                return
+            if hi > lo:
+                payload = data[header.payload_offset : header.total_nbytes]
+                src = torch.frombuffer(payload, dtype=shape.dtype).view(dims)
+                block_chunks.scatter(paged, torch.tensor(slots[first : first + hi]), src, lo, hi)
+            done[j] = True
+
+        self.store.get_visit(names, take)
+        loaded = chunks[0][0]
+        for chunk, ok in zip(chunks, done, strict=True):
+            if not ok:
+                break
+            loaded = chunk[1]
+        return loaded
+
+    def load_disk(self, chunks: list[Chunk], kv_caches: list[torch.Tensor], slots: list[int],
+                  start: int, end: int) -> int:
         """Read ``chunks`` (consecutive) into paged KV, writing only tokens in ``[start, end)``
         (``slots``: the slot of every token of ``[0, end)``). Returns where the loaded prefix
         ends: the last chunk's end, or the start of the first chunk that was not loaded."""

@@ -17,7 +17,7 @@ import torch
 
 from lmcache_mooncake import affinity, layouts
 from lmcache_mooncake.config import CacheConfig
-from lmcache_mooncake.connector.direct import DirectDiskLoader
+from lmcache_mooncake.connector.direct import ENGINE, DirectLoader
 from lmcache_mooncake.connector.lookup import LookupReply, LookupServer
 from lmcache_mooncake.connector.metadata import LoadOp, SaveOp, StepMetadata
 from lmcache_mooncake.engine import (
@@ -67,7 +67,7 @@ class WorkerSide:
         self.tp_size = tp_size
         self.kv_caches: list[torch.Tensor] = []
         self.engine = None
-        self._direct: DirectDiskLoader | None = None
+        self._direct: DirectLoader | None = None
         self.namespace: KeyNamespace | None = None
         self.lookup_server: LookupServer | None = None
         self._failed_blocks: set[int] = set()
@@ -103,7 +103,7 @@ class WorkerSide:
             chunk_layout=self.layout.chunk_layout(first, self.cfg.chunk_size),
         )
         self.engine = build_engine(self.cfg, self.namespace, self.layout, first.dtype, self.instance_id)
-        self._direct = DirectDiskLoader.for_engine(self.engine)
+        self._direct = DirectLoader.for_engine(self.engine)
         if self.tp_rank == 0:
             self.lookup_server = LookupServer(self.lookup_socket, self.lookup)
         ns = self.namespace
@@ -157,9 +157,9 @@ class WorkerSide:
     def _load(self, op: LoadOp) -> set[int]:
         """Load one request's planned chunks; returns the blocks that were not loaded.
 
-        The chunks go in order, in runs: those the CPU tier does not hold and the
-        disk tier does straight from their files into paged KV (:mod:`.direct`),
-        the others through LMCache's ``retrieve``. The first chunk not loaded
+        The chunks go in order, in runs: those the CPU tier does not hold straight
+        from their files, or from the store client's staging region, into paged KV
+        (:mod:`.direct`), the others through LMCache's ``retrieve``. The first chunk not loaded
         stops the load; every block from it on is returned."""
         self._require_engine()
         tokens = torch.tensor(op.token_ids, dtype=torch.long)
@@ -175,13 +175,13 @@ class WorkerSide:
         loaded = aligned
         try:
             chunks = list(self.engine.token_database.process_tokens(tokens, mask=mask, request_configs=rc))
-            runs = self._direct.segments(chunks, self.kv_caches) if self._direct is not None else [(False, chunks)]
-            for direct, run in runs:
+            runs = self._direct.segments(chunks, self.kv_caches) if self._direct is not None else [(ENGINE, chunks)]
+            for kind, run in runs:
                 first, last = run[0][0], run[-1][1]
-                if direct:
-                    loaded = self._direct.load(run, self.kv_caches, op.slots, op.start, op.end)
-                else:
+                if kind == ENGINE:
                     loaded = self._retrieve(op, tokens[:last], slots, first, rc)
+                else:
+                    loaded = self._direct.load(kind, run, self.kv_caches, op.slots, op.start, op.end)
                 if loaded < last:
                     break
         except Exception:

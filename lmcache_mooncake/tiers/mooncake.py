@@ -167,13 +167,16 @@ class MooncakeTierConnector(VerifiedTier):
                     codes[i] = code
         if bad and client is not None:
             self._remove_bad(client, bad)
+        self._count_codes(names, codes)
+        return out
+
+    def _count_codes(self, names: list[str], codes: list[int]) -> None:
         for name, code in zip(names, codes, strict=True):
             if code == NOT_FOUND:
                 self.stats.add("store_misses")
             elif code < 0:
                 self.stats.add("store_get_failures")
                 logger.warning("Mooncake tier: get %s failed: %s; recomputing", name, describe(code))
-        return out
 
     def _direct_possible(self, client: StoreClient) -> bool:
         return self._pool is not None and client.direct_ready and not self._quarantine.full
@@ -261,6 +264,45 @@ class MooncakeTierConnector(VerifiedTier):
             self._count_read("store_staged_reads", len(data))
 
         return client.batch_get_visit([names[i] for i in todo], [self._max_object] * len(todo), take)
+
+    # -- for loads straight into paged KV (connector/direct.py) ---------------
+    def gets_through_staging(self) -> bool:
+        """Whether this tier's gets land in the client's staging region (``shm`` mode, or
+        direct gets unavailable), so a load may copy them straight into paged KV from there."""
+        client = self.attachment.client()
+        return client is not None and not self._direct_possible(client)
+
+    def get_visit(self, names: list[str], visit: Callable[[int, memoryview, list[str]], None]) -> None:
+        """Get ``names`` in one batched call through the staging region, calling ``visit(index,
+        bytes, bad)`` for each one read (see ``StoreClient.batch_get_visit``; ``bad`` goes to
+        :meth:`check_staged`). Misses and failures are counted and logged as for LMCache's
+        gets; chunks that failed their check are removed from the store."""
+        bad: list[str] = []
+        client = self.attachment.client()
+        codes = ([ERR_UNAVAILABLE] * len(names) if client is None
+                 else client.batch_get_visit(names, [self._max_object] * len(names),
+                                             lambda j, data: visit(j, data, bad)))
+        if bad and client is not None:
+            self._remove_bad(client, bad)
+        self._count_codes(names, codes)
+
+    def check_staged(self, key: CacheEngineKey, data: memoryview, shape: tuple[int, ...],
+                     dtype: torch.dtype, bad: list[str]) -> chunk_format.ChunkHeader | None:
+        """Check the chunk ``key`` (expected of ``dtype`` and ``shape``) in ``data`` where
+        :meth:`get_visit` read it; its header, or None (counted, logged, its name added to
+        ``bad`` for removal)."""
+        name = object_name(key)
+        try:
+            header = chunk_format.parse_header(data, key.to_string(), self.ctx.seal)
+            if header.shape != tuple(shape) or header.dtype != dtype:
+                raise chunk_format.ChunkVerificationError(
+                    f"chunk is {header.dtype} {list(header.shape)}, expected {dtype} {list(shape)}")
+            chunk_format.verify(header, data[header.payload_offset : header.total_nbytes])
+        except chunk_format.ChunkVerificationError as e:
+            self._reject(None, name, e, bad)
+            return None
+        self._count_read("store_staged_reads", header.total_nbytes)
+        return header
 
     def _count_read(self, path: str, nbytes: int) -> None:
         self.stats.add("store_hits")
