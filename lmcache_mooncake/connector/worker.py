@@ -103,7 +103,7 @@ class WorkerSide:
             chunk_layout=self.layout.chunk_layout(first, self.cfg.chunk_size),
         )
         self.engine = build_engine(self.cfg, self.namespace, self.layout, first.dtype, self.instance_id)
-        self._direct = DirectLoader.for_engine(self.engine)
+        self._direct = DirectLoader.for_engine(self.engine) if self.engine is not None else None
         if self.tp_rank == 0:
             self.lookup_server = LookupServer(self.lookup_socket, self.lookup)
         ns = self.namespace
