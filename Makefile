@@ -21,7 +21,7 @@ demo-single: setup
 bench: setup
 	.venv/bin/python benchmarks/layout_copy.py
 	.venv/bin/python benchmarks/tier_load.py
-	.venv/bin/python benchmarks/tier_load.py --auth --json benchmarks/results/tier_load_auth.json
+	.venv/bin/python benchmarks/tier_load.py --auth --repeat 1 --paths worker --json benchmarks/results/tier_load_auth.json
 	.venv/bin/python benchmarks/ttft.py --profile
 	.venv/bin/python benchmarks/store_throughput.py
 	.venv/bin/python benchmarks/warmup_throughput.py

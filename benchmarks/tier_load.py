@@ -11,9 +11,16 @@ back into other blocks:
 - ``disk``, ``store-shm``, ``store-tcp``: a fresh engine with only that tier
   (and an empty CPU tier), as a fresh vLLM process would be, with its
   buffers already touched once (a real server's are warm after its first
-  requests; ``--cold`` measures the first load of a process instead).
+  requests; ``--cold`` measures the first load of a process instead);
+- ``disk-one-pass``: the disk tier with ``verify_on_lookup: false`` (the
+  lookup only checks that files exist; the load reads and checks each once).
 
-Load time is the lookup plus the retrieve (what a cached request waits for);
+Each reader tier is loaded twice, each time by a fresh process: the way a
+served worker loads (``worker``: :class:`~lmcache_mooncake.connector.direct.DirectLoader`
+for chunks the CPU tier does not hold, LMCache's ``retrieve`` for the rest,
+as ``WorkerSide._load`` runs them) and through LMCache's ``retrieve`` alone
+(``lmcache``), so the table shows what skipping LMCache's buffers gives.
+Load time is the lookup plus the load (what a cached request waits for);
 save time is ``store()`` plus waiting until every tier has written. The
 baseline is ``torch`` copying the same number of bytes in the same run.
 ``--profile`` prints cProfile's top functions for each load. ``--auth`` seals
@@ -47,6 +54,7 @@ def child(args: argparse.Namespace) -> None:
 
     from lmcache_mooncake import engine, layouts
     from lmcache_mooncake.config import CacheConfig, MooncakeConfig
+    from lmcache_mooncake.connector import direct  # noqa: F401  (imported, as in a worker, before any timing)
     from lmcache_mooncake.keys import KeyNamespace
 
     torch.set_num_threads(1)
@@ -61,9 +69,10 @@ def child(args: argparse.Namespace) -> None:
     if args.tier.startswith("store"):
         mc = MooncakeConfig(store_dir=args.store_dir, mode="tcp" if args.tier == "store-tcp" else "auto",
                             local_buffer_size=512 << 20, timeout=10.0, put_timeout=30.0)
-    disk = args.disk if args.tier in ("disk", "cpu") else None
+    disk = args.disk if args.tier in ("disk", "disk-one-pass", "cpu") else None
     cfg = CacheConfig(max_local_cpu_size=1.0, local_disk=disk, mooncake=mc)
-    cfg = dataclasses.replace(cfg, chunk_auth_key_file=args.auth_file)
+    cfg = dataclasses.replace(cfg, chunk_auth_key_file=args.auth_file,
+                              verify_on_lookup=args.tier != "disk-one-pass")
     layout = layouts.layout_for_backend("CPU_ATTN")
     # The chunk layout a served worker picks for these tensors ("blocks" for float32 here).
     ns = KeyNamespace("bench", "float32", L, H, D, 256, chunk_layout=layout.chunk_layout(kv[0], 256))
@@ -110,23 +119,61 @@ def _load(eng, kv, tokens, rc, out: dict[str, float], args: argparse.Namespace) 
     if prof:
         prof.enable()
     t0 = time.perf_counter()
-    hit = eng.lookup(tokens=tokens, request_configs=rc)
-    t1 = time.perf_counter()
-    ret = eng.retrieve(tokens, mask=None, kvcaches=kv, slot_mapping=slots, request_configs=rc)
+    if args.path == "worker":
+        hit, lookup_s, got, out["runs"] = _load_as_worker(eng, kv, tokens, slots, rc)
+        t1 = t0 + lookup_s
+    else:
+        hit = eng.lookup(tokens=tokens, request_configs=rc)
+        t1 = time.perf_counter()
+        got = int(eng.retrieve(tokens, mask=None, kvcaches=kv, slot_mapping=slots, request_configs=rc).sum())
     t2 = time.perf_counter()
     if prof:
         prof.disable()
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(18)
         print(s.getvalue(), file=sys.stderr)
-    if hit != args.tokens or not bool(ret.all()):
-        raise SystemExit(f"{args.tier}: lookup hit {hit}, retrieved {int(ret.sum())} of {args.tokens}")
+    if hit != args.tokens or got != args.tokens:
+        raise SystemExit(f"{args.tier} ({args.path}): lookup hit {hit}, loaded {got} of {args.tokens}")
     out.update(lookup_s=t1 - t0, retrieve_s=t2 - t1, load_s=t2 - t0)
 
 
-def run_child(role: str, tier: str, args: argparse.Namespace, disk: str, store_dir: str) -> dict[str, float]:
+def _load_as_worker(eng, kv, tokens, slots, rc) -> tuple[int, float, int, list[str]]:
+    """Look up and load ``tokens`` as a served worker does (``lookup_tiers``, then
+    ``WorkerSide._load``'s runs: DirectLoader for chunks the CPU tier does not hold, LMCache's
+    retrieve for the rest). Returns the hit, the lookup's seconds, where the loaded prefix
+    ends, and each run as ``kind:chunks``."""
+    import torch
+
+    from lmcache_mooncake.connector.direct import ENGINE, DirectLoader
+    from lmcache_mooncake.engine import lookup_tiers
+
+    t0 = time.perf_counter()
+    hit, _ = lookup_tiers(eng, tokens.tolist(), rc)
+    lookup_s = time.perf_counter() - t0
+    direct = DirectLoader.for_engine(eng)
+    chunks = list(eng.token_database.process_tokens(tokens, request_configs=rc))
+    runs = direct.segments(chunks, kv) if direct is not None else [(ENGINE, chunks)]
+    slot_list = slots.tolist()
+    loaded, kinds = 0, []
+    for kind, run in runs:
+        first, last = run[0][0], run[-1][1]
+        kinds.append(f"{kind}:{len(run)}")
+        if kind == ENGINE:
+            mask = torch.zeros(last, dtype=torch.bool)
+            mask[first:] = True
+            ret = eng.retrieve(tokens[:last], mask=mask, kvcaches=kv, slot_mapping=slots[:last], request_configs=rc)
+            loaded = first + int(ret[first:].long().cumprod(0).sum().item())
+        else:
+            loaded = direct.load(kind, run, kv, slot_list, 0, len(tokens))
+        if loaded < last:
+            break
+    return hit, lookup_s, loaded, kinds
+
+
+def run_child(role: str, tier: str, args: argparse.Namespace, disk: str, store_dir: str,
+              path: str = "lmcache") -> dict[str, float]:
     cmd = [sys.executable, __file__, "--child", role, "--tier", tier, "--tokens", str(args.tokens),
-           "--disk", disk, "--store-dir", store_dir] + (["--profile"] if args.profile else []) \
+           "--disk", disk, "--store-dir", store_dir, "--path", path] + (["--profile"] if args.profile else []) \
         + (["--cold"] if args.cold else []) + (["--auth-file", args.auth_file] if args.auth_file else [])
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     lines = [x for x in p.stdout.splitlines() if x.startswith("@@")]
@@ -134,7 +181,7 @@ def run_child(role: str, tier: str, args: argparse.Namespace, disk: str, store_d
         raise SystemExit(f"{role} {tier} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
     if args.profile:
         prof = [x for x in p.stderr.splitlines() if "function calls" in x or x.strip()[:1].isdigit()]
-        print(f"--- profile, {role} {tier}\n" + "\n".join(prof[:22]))
+        print(f"--- profile, {role} {tier} ({path})\n" + "\n".join(prof[:22]))
     return json.loads(lines[-1][2:])
 
 
@@ -156,7 +203,12 @@ def memcpy_s(nbytes: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--tiers", default="cpu,disk,store-shm,store-tcp")
+    ap.add_argument("--tiers", default="cpu,disk,disk-one-pass,store-shm,store-tcp")
+    ap.add_argument("--paths", default="worker,lmcache",
+                    help="how readers load: worker (as a served worker: DirectLoader, then LMCache's retrieve), "
+                         "lmcache (LMCache's retrieve alone); comma-separated")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="fresh reader processes per tier and path; the table shows the median load")
     ap.add_argument("--json", type=Path, default=HERE / "results" / "tier_load.json")
     ap.add_argument("--profile", action="store_true", help="cProfile each load")
     ap.add_argument("--cold", action="store_true", help="the first load of a process (buffers untouched)")
@@ -166,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tier", help=argparse.SUPPRESS)
     ap.add_argument("--disk", help=argparse.SUPPRESS)
     ap.add_argument("--store-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--path", default="lmcache", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         args.role = args.child
@@ -186,17 +239,26 @@ def main(argv: list[str] | None = None) -> int:
     start_store(StoreSpec(state_dir=store_dir, memory_bytes=max(4 * nbytes, 1 << 30)))
     try:
         saved = run_child("writer", "cpu", args, disk, store_dir)  # CPU + disk tiers
-        rows.append({"tier": "cpu", "load_s": saved["load_s"], "lookup_s": saved["lookup_s"],
+        rows.append({"tier": "cpu", "path": "same", "load_s": saved["load_s"], "lookup_s": saved["lookup_s"],
                      "save_s": saved["store_s"], "durable_s": saved["durable_s"]})
         if any(t.startswith("store") for t in tiers):
             w = run_child("writer", "store-shm", args, disk, store_dir)
             store_save = w
-        for tier in tiers:
-            if tier == "cpu":
-                continue
-            r = run_child("reader", tier, args, disk, store_dir)
-            row = {"tier": tier, "load_s": r["load_s"], "lookup_s": r["lookup_s"]}
-            if tier == "disk":
+        paths = [p for p in args.paths.split(",") if p]
+        samples: dict[tuple[str, str], list[dict]] = {}
+        # Fresh-process loads vary by tens of percent on this machine: each (tier, path) is
+        # loaded --repeat times, in rounds that alternate the paths, and the median is shown.
+        for _ in range(args.repeat):
+            for tier in tiers:
+                if tier == "cpu":
+                    continue
+                for path in paths:
+                    samples.setdefault((tier, path), []).append(run_child("reader", tier, args, disk, store_dir, path))
+        for (tier, path), rs in samples.items():
+            r = sorted(rs, key=lambda x: x["load_s"])[len(rs) // 2]
+            row = {"tier": tier, "path": path, "load_s": r["load_s"], "lookup_s": r["lookup_s"],
+                   "runs": r.get("runs"), "load_samples_s": [x["load_s"] for x in rs]}
+            if tier.startswith("disk"):
                 row.update(save_s=saved["store_s"], durable_s=saved["durable_s"])
             elif tier.startswith("store"):
                 row.update(save_s=store_save["store_s"], durable_s=store_save["durable_s"])
@@ -208,12 +270,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{args.tokens} tokens, {mib:.0f} MiB of KV (Qwen2-0.5B geometry, float32, chunks sealed with {seal}); "
           "plain memory copy "
           f"{base * 1e3:.1f} ms ({nbytes / base / 1e9:.2f} GB/s)")
-    print(f"{'tier':10s} {'load ms':>9s} {'(lookup)':>9s} {'load/memcpy':>12s} {'save ms':>9s} {'durable ms':>11s} "
-          f"{'save/memcpy':>12s}")
+    print(f"{'tier':14s} {'path':8s} {'load ms':>9s} {'(lookup)':>9s} {'load/memcpy':>12s} {'save ms':>9s} "
+          f"{'durable ms':>11s} {'save/memcpy':>12s}  {'load ms, each process':22s} runs")
     for r in rows:
         save = r.get("save_s")
-        print(f"{r['tier']:10s} {r['load_s'] * 1e3:9.1f} {r['lookup_s'] * 1e3:9.1f} {base / r['load_s']:12.2f} "
-              + (f"{save * 1e3:9.1f} {r['durable_s'] * 1e3:11.1f} {base / save:12.2f}" if save else ""))
+        print(f"{r['tier']:14s} {r.get('path', 'same'):8s} {r['load_s'] * 1e3:9.1f} {r['lookup_s'] * 1e3:9.1f} "
+              f"{base / r['load_s']:12.2f} "
+              + (f"{save * 1e3:9.1f} {r['durable_s'] * 1e3:11.1f} {base / save:12.2f}" if save else " " * 35)
+              + f"  {' '.join(f'{x * 1e3:.0f}' for x in r.get('load_samples_s', [])):22s}"
+              + (f" {' '.join(r['runs'])}" if r.get("runs") else ""))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"tokens": args.tokens, "bytes": nbytes, "memcpy_s": base, "rows": rows,
                                      "cold": args.cold, "auth": args.auth}, indent=2))

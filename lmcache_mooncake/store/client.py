@@ -79,7 +79,7 @@ from typing import Any
 
 from lmcache_mooncake.procs import can_connect
 from lmcache_mooncake.store.binaries import missing_library_hint
-from lmcache_mooncake.store.calls import _ABANDONED, _Sized, _Worker
+from lmcache_mooncake.store.calls import _ABANDONED, _Job, _Sized, _Worker
 from lmcache_mooncake.store.codes import (  # noqa: F401 - the client's return codes, re-exported
     _CONNECTION_CODES,
     ERR_BAD_BUFFER,
@@ -552,11 +552,23 @@ class StoreClient(StagedTransfers, DirectGets):
     # Running a job with a deadline ---------------------------------------
 
     def _run(self, fn: Callable[[], Any], deadline: float, what: str) -> tuple[bool, Any]:
+        """Run ``fn`` on the worker and wait for it until ``deadline``: ``(True, result)``, or
+        ``(False, code)`` if it timed out, raised or could not start. Caller holds ``self._lock``."""
+        return self._wait(self._submit(fn, deadline, what), deadline, what)
+
+    def _submit(self, fn: Callable[[], Any], deadline: float, what: str) -> _Job | None:
+        """Start ``fn`` on the worker without waiting (:meth:`_wait` collects it); None while a call
+        abandoned earlier still runs there. Caller holds ``self._lock``."""
         if self._worker.busy():
             self._stats["unavailable"] += 1
+            return None
+        return self._worker.submit(fn, what, max(deadline - time.monotonic(), 0.0))
+
+    def _wait(self, job: _Job | None, deadline: float, what: str) -> tuple[bool, Any]:
+        """Wait for a job :meth:`_submit` started, as :meth:`_run` does."""
+        if job is None:
             return False, ERR_UNAVAILABLE
         wait = max(deadline - time.monotonic(), 0.0)
-        job = self._worker.submit(fn, what, wait)
         if not job.done.wait(wait):
             job.abandon(what)
             self._stats["timeouts"] += 1

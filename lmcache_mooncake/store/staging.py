@@ -34,6 +34,16 @@ from lmcache_mooncake.store.codes import (
 
 _ALIGN = 64
 
+#: A get whose bytes are visited in the staging region is fetched in this many parts per round,
+#: so the store's copy of one part overlaps the visitor's check and copy of the one before.
+GET_PARTS = 4
+
+
+def split_round(rnd: list, parts: int) -> list[list]:
+    """``rnd`` in at most ``parts`` consecutive, non-empty slices of near-equal length."""
+    n = min(parts, len(rnd))
+    return [rnd[len(rnd) * p // n : len(rnd) * (p + 1) // n] for p in range(n)]
+
 
 def pack_rounds(items: list[tuple[int, int]], capacity: int) -> list[list[tuple[int, int]]]:
     """``(index, nbytes)`` items, each fitting ``capacity`` once aligned, packed in order into
@@ -104,48 +114,70 @@ class StagedTransfers:
         visit: Callable[[int, memoryview], None] | None = None,
     ) -> None:
         what = "batch_put_from" if put else "batch_get_into"
+
+        def fail(code: int, parts: list[list[tuple[int, _Buf, int]]], r: int) -> None:
+            for rnd in parts + rounds[r + 1 :]:
+                for i, _, _ in rnd:
+                    results[i] = code
+
         for r, rnd in enumerate(rounds):
             code = self._attempt(deadline) if r else OK
             if code == OK and time.monotonic() >= deadline:
                 code = ERR_TIMEOUT
             if code != OK:
-                for later in rounds[r:]:
-                    for i, _, _ in later:
-                        results[i] = code
+                fail(code, [rnd], r)
                 return
             store, base = self._store, self._staging_ptr
-            rkeys = [keys[i] for i, _, _ in rnd]
-            ptrs = [base + off for _, _, off in rnd]
-            sizes = [rb.nbytes for _, rb, _ in rnd]
             if put:
                 # Our own copy is not the store's time: the call's deadline moves with it.
                 t_copy = time.monotonic()
                 for _, rb, off in rnd:
                     self._copy_in(rb, off)
                 deadline += time.monotonic() - t_copy
-                fn = functools.partial(store.batch_put_from, rkeys, ptrs, sizes, self._replicate_config())
-            else:
-                fn = functools.partial(store.batch_get_into, rkeys, ptrs, sizes)
-            ok, val = self._run(fn, deadline, what)
-            if not ok:
-                for later in rounds[r:]:
-                    for i, _, _ in later:
-                        results[i] = val
-                return
-            codes = [int(v) for v in val] + [ERR_INTERNAL] * (len(rnd) - len(val))
-            for (i, rb, off), c in zip(rnd, codes, strict=False):
-                results[i] = c
-                if not put and c > 0:
-                    if visit is not None:
-                        visit(i, self._staging_view(off, min(c, rb.nbytes)))
-                    else:
-                        self._copy_out(rb, off, min(c, rb.nbytes))
-            self._check_codes(codes, what)
-            if not self._healthy:
-                for later in rounds[r + 1 :]:
-                    for i, _, _ in later:
-                        results[i] = ERR_UNAVAILABLE
-                return
+            # A visited get is fetched in parts, each into its own slots of the round: while the
+            # caller's visitor checks and copies one part, the store writes the next (the
+            # visitor's work and the store's copy overlap on two cores).
+            parts = split_round(rnd, GET_PARTS) if visit is not None else [rnd]
+            call = functools.partial(self._part_call, store, base, keys, put)
+            job = self._submit(call(parts[0]), deadline, what)
+            for k, part in enumerate(parts):
+                ok, val = self._wait(job, deadline, what)
+                if not ok:
+                    fail(val, parts[k:], r)
+                    return
+                codes = [int(v) for v in val] + [ERR_INTERNAL] * (len(part) - len(val))
+                self._check_codes(codes, what)
+                job = None
+                if k + 1 < len(parts) and self._healthy:
+                    job = self._submit(call(parts[k + 1]), deadline, what)
+                try:
+                    for (i, rb, off), c in zip(part, codes, strict=False):
+                        results[i] = c
+                        if not put and c > 0:
+                            if visit is not None:
+                                visit(i, self._staging_view(off, min(c, rb.nbytes)))
+                            else:
+                                self._copy_out(rb, off, min(c, rb.nbytes))
+                except BaseException:
+                    # The next part's call writes into the staging region: it ends (or is
+                    # abandoned at the deadline) before the caller lock is given back.
+                    self._wait(job, deadline, what)
+                    raise
+                if not self._healthy:
+                    fail(ERR_UNAVAILABLE, parts[k + 1 :], r)
+                    if job is not None:
+                        self._wait(job, deadline, what)
+                    return
+
+    def _part_call(self, store: Any, base: int, keys: list[str], put: bool,
+                   part: list[tuple[int, _Buf, int]]) -> Callable[[], Any]:
+        """The Mooncake call that moves ``part`` between the staging region at ``base`` and the store."""
+        rkeys = [keys[i] for i, _, _ in part]
+        ptrs = [base + off for _, _, off in part]
+        sizes = [rb.nbytes for _, rb, _ in part]
+        if put:
+            return functools.partial(store.batch_put_from, rkeys, ptrs, sizes, self._replicate_config())
+        return functools.partial(store.batch_get_into, rkeys, ptrs, sizes)
 
     def _replicate_config(self) -> Any:
         """Mooncake's per-put settings: ``replica_num`` copies, pinned as ``pin`` says."""
