@@ -190,15 +190,11 @@ class Server:
         return elapsed, int(details.get("cached_tokens") or 0)
 
     def stop(self, grace_s: float = 60) -> None:
-        """SIGTERM (the connector drains its writes), then SIGKILL the group."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        """SIGTERM to the group (the connector drains its writes), up to ``grace_s`` for all of
+        it to exit, then SIGKILL what is left (``procs.stop_group``)."""
+        from lmcache_mooncake import procs
+
+        procs.stop_group(self.proc, grace_s)
         self.proc.wait()
 
 

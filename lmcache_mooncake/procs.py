@@ -135,20 +135,48 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 0.0) -> int | None:
     """Stop ``proc`` (started by :func:`spawn`) and every process in its group.
 
     With ``grace_s`` > 0 the group first gets SIGTERM and up to ``grace_s``
-    seconds to exit; then whatever is left of the group gets SIGKILL. Returns
-    the child's exit status (None if it could not be reaped within 5 s).
+    seconds for all of it to exit, not only ``proc``: a vLLM server's API
+    process exits before its worker, which is still draining the connector's
+    writes, and killing the worker then loses the chunks it was writing. Then
+    whatever is left of the group gets SIGKILL. Returns the child's exit status
+    (None if it could not be reaped within 5 s).
     """
-    if grace_s > 0 and proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(grace_s)
+    if grace_s > 0:
+        members = _group_members(proc.pid)  # now: once the leader is gone, its children are not its children
+        if proc.poll() is None or members:
+            deadline = time.monotonic() + grace_s
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(grace_s)
+            while any(_alive(p) for p in members) and time.monotonic() < deadline:
+                time.sleep(0.05)
     # Whatever the child left in its process group goes too.
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(5)
     return proc.returncode
+
+
+def _group_members(pgid: int) -> list[psutil.Process]:
+    """The live processes of process group ``pgid`` other than its leader."""
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.pid != pgid and os.getpgid(p.pid) == pgid:
+                out.append(p)
+        except (OSError, psutil.Error):
+            continue
+    return out
+
+
+def _alive(p: psutil.Process) -> bool:
+    """Running and not a zombie (a zombie has exited; only its parent has not reaped it)."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def tail_log(path: Path | str, lines: int = 25, max_bytes: int = 16384) -> str:

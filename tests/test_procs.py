@@ -33,6 +33,32 @@ def test_spawn_logs_and_stop_group_takes_the_grandchildren(tmp_path):
     assert procs.pid_status(grandchild.pid) is None
 
 
+def test_stop_group_waits_for_the_whole_group_not_only_its_leader(tmp_path):
+    """A vLLM server's API process exits on SIGTERM before its worker has drained the
+    connector's writes: the grace period is for the group, so the worker is not killed."""
+    done = tmp_path / "drained"
+    worker = ("import pathlib, signal, sys, time\n"
+              "def term(*_):\n"
+              "    time.sleep(1.5)  # draining\n"
+              f"    pathlib.Path({str(done)!r}).write_text('ok')\n"
+              "    sys.exit(0)\n"
+              "signal.signal(signal.SIGTERM, term)\n"
+              "print('ready', flush=True)\n"
+              "time.sleep(60)\n")
+    leader = ("import subprocess, sys, time\n"
+              f"subprocess.Popen([sys.executable, '-c', {worker!r}])\n"
+              "time.sleep(60)\n")  # SIGTERM's default action: the leader exits at once
+    log = tmp_path / "leader.log"
+    proc = procs.spawn([sys.executable, "-c", leader], log)
+    deadline = time.monotonic() + 20
+    while "ready" not in procs.tail_log(log) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    procs.stop_group(proc, grace_s=10)
+    assert done.read_text() == "ok", "the worker was killed while it drained"
+    assert time.monotonic() - t0 < 8
+
+
 def test_tail_log_of_a_missing_file_says_so(tmp_path):
     assert procs.tail_log(tmp_path / "nope.log") == "(no log)"
     f = tmp_path / "long.log"
