@@ -8,9 +8,10 @@ quarter of the load. Then:
 
 - resident memory of every process (vLLM's three, the master, the storage
   process), sampled with psutil each second, grows less than 5% from the end
-  of warm-up to the end of the load (the worker runs with a fixed glibc mmap
-  threshold, ``heap_mmap_threshold``: vLLM's own forward passes fragment the
-  heap otherwise, with or without us);
+  of warm-up to the end of the load, the lowest of 5 samples at each end so
+  that blocks of requests in flight at one instant are not growth (the worker
+  runs with a fixed glibc mmap threshold, ``heap_mmap_threshold``: vLLM's own
+  forward passes fragment the heap otherwise, with or without us);
 - LMCache's CPU tier holds no pinned chunk once requests ended;
 - a sample of prompts, sent again one at a time after the load (so they load
   what the tiers kept), gives the tokens a recompute gives.
@@ -176,13 +177,17 @@ def soak(request, tmp_path_factory) -> dict:
         warm_at = max(warm_at, t0 + 0.25 * minutes * 60)
         (tmp_path / "rss.json").write_text(json.dumps({"t0": t0, "warm_at": warm_at, "samples": samples}))
 
-        # Memory after warm-up: the mean of the first 5 samples past it against the last 5.
+        # Memory after warm-up: the lowest of the first 5 samples past it against the lowest of
+        # the last 5. Under the load a sample also holds whatever the requests in flight hold
+        # (with the fixed mmap threshold each large block is its own mapping, "[anon small]");
+        # a leak lifts the lowest sample too. A CI run of the mean failed at +5.3%, all of it
+        # in-flight blocks (+97 MiB "[anon small]", +28 MiB heap), and passed when rerun.
         after = [row for t, row in samples if t >= warm_at]
         assert len(after) >= 10, len(after)
         growth, grew = {}, {}
         for name in after[0]:
-            first = sum(r[name] for r in after[:5]) / 5
-            last = sum(r[name] for r in after[-5:]) / 5
+            first = min(r[name] for r in after[:5])
+            last = min(r[name] for r in after[-5:])
             growth[name] = (last - first) / first if first else 0.0
             grew[name] = (f"{first / MiB:.0f} -> {last / MiB:.0f} MiB ({growth[name]:+.1%}), "
                           f"{len(after)} samples after {warm_at - t0:.0f} s of warm-up; "
