@@ -16,7 +16,8 @@ the TTFT into:
   carries the load to the worker);
 - ``load``: ``WorkerSide._load`` (the copy into paged KV, with its reads and checks);
 - ``to forward``: load finished until the forward that computes the last token
-  starts (the load is reported through ``get_finished`` and a new step scheduled);
+  starts (the load is reported through ``get_finished`` and a new step scheduled;
+  0 for a synchronous load, which runs in the forward's own step);
 - ``forward``: that ``execute_model`` (a one-token forward over the whole
   context; in ``plain`` the same forward is the whole of vLLM's work);
 - ``after``: the forward's end until the client has the answer.
@@ -26,7 +27,9 @@ checks every chunk into the CPU tier, the load copies from there),
 ``disk-one-pass`` (the lookup only sees the files; the load reads each into
 paged KV and checks it there), ``store-shm`` (the store over shared memory),
 ``plain`` (vLLM with no connector, asked twice: the second request is served by
-its own prefix cache, the floor). Each mode runs ``--repeat`` fresh servers;
+its own prefix cache, the floor). A mode with ``+sync`` appended (e.g.
+``disk-one-pass+sync``) runs the same with ``async_loading: false``: the load
+runs in the forward's own step. Each mode runs ``--repeat`` fresh servers;
 the summary shows medians. Every server gets both cores
 (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``, as in ``ttft.py``).
 
@@ -55,6 +58,8 @@ sys.path.insert(0, str(HERE))
 from ttft import Server, ours, write_config  # noqa: E402
 
 MODES = ("disk", "disk-one-pass", "store-shm", "plain")
+#: Mode suffixes: connector settings that override the mode's.
+VARIANTS: dict[str, dict] = {"sync": {"async_loading": False}}
 PHASES = ("before", "lookup", "to load", "load", "to forward", "forward", "after")
 
 
@@ -93,19 +98,21 @@ def summarize(sp: list[dict], t0: float, t1: float) -> dict[str, float]:
     load = next((s for s in sp if s["name"] == "WorkerSide._load"), None)
     steps = [s for s in sp if s["name"] == "GPUModelRunner.execute_model"]
     first_sched = next((s for s in sp if s["name"] == "Scheduler.schedule"), None)
+    inside = None  # a synchronous load runs in the step of the forward, before it
     if load is not None:
-        fwd = next((s for s in steps if s["b"] >= load["e"]), None)
+        inside = next((s for s in steps if s["b"] <= load["b"] and s["e"] > load["e"] + 0.01), None)
+        fwd = inside or next((s for s in steps if s["b"] >= load["e"]), None)
     else:
         fwd = max(steps, key=lambda s: s["e"] - s["b"], default=None)
     if fwd is None:
         raise RuntimeError("no forward step in the trace: is the tracer on PYTHONPATH?")
-    out = {"ttft": t1 - t0, "forward": fwd["e"] - fwd["b"], "after": t1 - fwd["e"]}
+    out = {"ttft": t1 - t0, "forward": fwd["e"] - (load["e"] if inside else fwd["b"]), "after": t1 - fwd["e"]}
     if load is None:  # plain: the request goes straight to its forward
         out["before"] = fwd["b"] - t0
         return out
     start = asks[0]["b"] if asks else (first_sched["b"] if first_sched else t0)
     out.update(before=start - t0, lookup=hit["e"] - start if hit else 0.0,
-               load=load["e"] - load["b"], **{"to forward": fwd["b"] - load["e"]})
+               load=load["e"] - load["b"], **{"to forward": 0.0 if inside else fwd["b"] - load["e"]})
     out["to load"] = load["b"] - (hit["e"] if hit else start)
     return out
 
@@ -131,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=HERE / "results" / "step_timeline.json")
     args = ap.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
-    unknown = sorted(set(modes) - set(MODES))
+    unknown = sorted({m.partition("+")[0] for m in modes} - set(MODES)
+                     | {m for m in modes if m.partition("+")[2] not in ("", *VARIANTS) or m.startswith("plain+")})
     if unknown:
         ap.error(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(MODES)}")
 
@@ -154,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict] = []
     start_store(StoreSpec(state_dir=store_dir, memory_bytes=2 << 30))
     try:
-        if any(m != "plain" for m in modes):
+        if any(m.partition("+")[0] != "plain" for m in modes):
             w = Server("writer", model, work, ours(write_config(work / "all.yaml", disk=disk, store=shm)), False,
                        max_len)
             print(f"writer: {args.tokens} tokens computed and stored in {w.ttft(prompt)[0]:.1f} s", flush=True)
@@ -163,8 +171,10 @@ def main(argv: list[str] | None = None) -> int:
             for mode in modes:  # alternating, so drift in the machine hits every mode alike
                 trace = trace_root / f"{mode}-{rep}"
                 env = {"PYTHONPATH": str(HERE / "step_trace"), "STEP_TRACE_DIR": str(trace)}
-                plain = mode == "plain"
-                s = Server(f"{mode}-{rep}", model, work, None if plain else ours(configs[mode]), plain, max_len,
+                base, _, variant = mode.partition("+")
+                plain = base == "plain"
+                s = Server(f"{mode}-{rep}", model, work,
+                           None if plain else ours(configs[base], **VARIANTS.get(variant, {})), plain, max_len,
                            env=env)
                 try:
                     if plain:
@@ -186,13 +196,13 @@ def main(argv: list[str] | None = None) -> int:
         stop_store(store_dir)
         shutil.rmtree(work, ignore_errors=True)
     print(f"\n{args.tokens} tokens; medians of {args.repeat} fresh servers per mode, ms")
-    print(f"{'mode':14s} {'TTFT':>7s} " + " ".join(f"{p:>10s}" for p in PHASES))
+    print(f"{'mode':20s} {'TTFT':>7s} " + " ".join(f"{p:>10s}" for p in PHASES))
     table = {}
     for mode in modes:
         rs = [r["phases_s"] for r in runs if r["mode"] == mode]
         med = {k: statistics.median(r.get(k, 0.0) for r in rs) for k in ("ttft", *PHASES)}
         table[mode] = med
-        print(f"{mode:14s} {med['ttft'] * 1e3:7.1f} " + " ".join(
+        print(f"{mode:20s} {med['ttft'] * 1e3:7.1f} " + " ".join(
             f"{med[p] * 1e3:10.1f}" if any(p in r for r in rs) else f"{'-':>10s}" for p in PHASES))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"tokens": args.tokens, "medians_s": table, "runs": runs}, indent=1))
