@@ -63,6 +63,12 @@ VARIANTS: dict[str, dict] = {"sync": {"async_loading": False}}
 PHASES = ("before", "lookup", "to load", "load", "to forward", "forward", "after")
 
 
+def split_mode(mode: str) -> tuple[str, str]:
+    """``"disk+sync"`` -> ``("disk", "sync")``; ``"disk"`` -> ``("disk", "")``."""
+    base, _, variant = mode.partition("+")
+    return base, variant
+
+
 def read_events(trace_dir: Path, t0: float, t1: float) -> list[tuple[float, int, str, str, str]]:
     """Trace lines of all processes between ``t0`` and ``t1``, in time order."""
     out = []
@@ -100,6 +106,8 @@ def summarize(sp: list[dict], t0: float, t1: float) -> dict[str, float]:
     first_sched = next((s for s in sp if s["name"] == "Scheduler.schedule"), None)
     inside = None  # a synchronous load runs in the step of the forward, before it
     if load is not None:
+        # The step that ran the load also ran the forward when it went on >10 ms past the load
+        # (an idle step ends within a millisecond of its load).
         inside = next((s for s in steps if s["b"] <= load["b"] and s["e"] > load["e"] + 0.01), None)
         fwd = inside or next((s for s in steps if s["b"] >= load["e"]), None)
     else:
@@ -138,10 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=HERE / "results" / "step_timeline.json")
     args = ap.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
-    unknown = sorted({m.partition("+")[0] for m in modes} - set(MODES)
-                     | {m for m in modes if m.partition("+")[2] not in ("", *VARIANTS) or m.startswith("plain+")})
+    unknown = sorted(m for m in modes if split_mode(m) not in
+                     {(b, v) for b in MODES for v in ("", *VARIANTS) if not (b == "plain" and v)})
     if unknown:
-        ap.error(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(MODES)}")
+        ap.error(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(MODES)}, each but plain "
+                 f"optionally with {' or '.join('+' + v for v in VARIANTS)}")
 
     from lmcache_mooncake.store.launcher import StoreSpec, start_store, stop_store
     from lmcache_mooncake.testing.models import ModelSpec, build_model
@@ -162,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict] = []
     start_store(StoreSpec(state_dir=store_dir, memory_bytes=2 << 30))
     try:
-        if any(m.partition("+")[0] != "plain" for m in modes):
+        if any(split_mode(m)[0] != "plain" for m in modes):
             w = Server("writer", model, work, ours(write_config(work / "all.yaml", disk=disk, store=shm)), False,
                        max_len)
             print(f"writer: {args.tokens} tokens computed and stored in {w.ttft(prompt)[0]:.1f} s", flush=True)
@@ -171,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             for mode in modes:  # alternating, so drift in the machine hits every mode alike
                 trace = trace_root / f"{mode}-{rep}"
                 env = {"PYTHONPATH": str(HERE / "step_trace"), "STEP_TRACE_DIR": str(trace)}
-                base, _, variant = mode.partition("+")
+                base, variant = split_mode(mode)
                 plain = base == "plain"
                 s = Server(f"{mode}-{rep}", model, work,
                            None if plain else ours(configs[base], **VARIANTS.get(variant, {})), plain, max_len,
