@@ -129,7 +129,7 @@ def produce(summary: WarmupSummary, pending: list[WarmupInput], client: StoreCli
     summary.bytes_written = stats.count("vllm:lmcm_written_bytes", tier="store")
     summary.store_put_failures = stats.count("vllm:lmcm_write_errors", tier="store")
 
-    verify_s = verify(summary, pending, sent, client, settings.verify_timeout_s)
+    verify_s = summary.durable_s = verify(summary, pending, sent, client, settings.verify_timeout_s)
     summary.prompt_tokens = tokens
     if t_first is not None:
         end = t_end if t_end is not None else time.monotonic()
@@ -145,8 +145,12 @@ def verify(summary: WarmupSummary, pending: list[WarmupInput], sent: list[Warmup
     names = list(dict.fromkeys(n for i in sent for n in i.names))
     present = exists(client, names)
     deadline = time.monotonic() + timeout_s
+    # The last batch's writes are still landing when its requests return: poll soon, then
+    # back off (a fixed 0.5 s sleep added up to half a second to every warm-up).
+    pause = 0.01
     while not all(present.values()) and time.monotonic() < deadline:
-        time.sleep(0.5)
+        time.sleep(pause)
+        pause = min(pause * 2, 0.5)
         present.update(exists(client, [n for n, ok in present.items() if not ok]))
     summary.chunks_missing_after = sum(not ok for ok in present.values())
     sent_ids = {id(i) for i in sent}

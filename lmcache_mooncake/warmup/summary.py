@@ -100,6 +100,8 @@ class WarmupSummary:
     elapsed_s: float = 0.0
     startup_s: float = 0.0
     warm_s: float = 0.0
+    #: Part of ``warm_s``: the final check, from the last result to every chunk seen in the store.
+    durable_s: float = 0.0
     prompt_tokens_per_s: float = 0.0
     problems: list[InputProblem] = field(default_factory=list)
     #: "path:line" of every failed input.
@@ -154,7 +156,8 @@ class WarmupSummary:
                              f"{self.chunks_present_before} of {self.chunks_total} were there before")
                 lines.append(f"  {self.prompt_tokens} prompt tokens in {self.warm_s:.1f} s: "
                              f"{self.prompt_tokens_per_s:.0f} prompt tokens/s "
-                             f"(vLLM start-up {self.startup_s:.1f} s, total {self.elapsed_s:.1f} s)")
+                             f"(vLLM start-up {self.startup_s:.1f} s, durability check {self.durable_s:.2f} s, "
+                             f"total {self.elapsed_s:.1f} s)")
             if self.chunks_missing_after:
                 lines.append(f"  {self.chunks_missing_after} chunks are not in the store after the run"
                              + (f" ({self.store_put_failures} puts failed: is the store full? "
