@@ -121,8 +121,7 @@ def main() -> int:
     shutil.rmtree(work, ignore_errors=True)
     warm = {"prompt_tokens": s.prompt_tokens, "time_s": s.warm_s, "tokens_per_s": s.prompt_tokens_per_s,
             "startup_s": s.startup_s, "durable_s": s.durable_s, "elapsed_s": s.elapsed_s,
-            "chunks_written": s.chunks_written,
-            "bytes_written": s.bytes_written}
+            "chunks_written": s.chunks_written, "bytes_written": s.bytes_written}
     ratio = warm["tokens_per_s"] / plain["tokens_per_s"]
 
     print(f"model {model} ({info.num_layers} layers, {info.num_kv_heads} KV heads of {info.head_size}, "

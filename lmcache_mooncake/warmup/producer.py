@@ -129,11 +129,11 @@ def produce(summary: WarmupSummary, pending: list[WarmupInput], client: StoreCli
     summary.bytes_written = stats.count("vllm:lmcm_written_bytes", tier="store")
     summary.store_put_failures = stats.count("vllm:lmcm_write_errors", tier="store")
 
-    verify_s = summary.durable_s = verify(summary, pending, sent, client, settings.verify_timeout_s)
+    summary.durable_s = verify(summary, pending, sent, client, settings.verify_timeout_s)
     summary.prompt_tokens = tokens
     if t_first is not None:
         end = t_end if t_end is not None else time.monotonic()
-        summary.warm_s = max(end - t_first - summary.startup_s, busy) + verify_s
+        summary.warm_s = max(end - t_first - summary.startup_s, busy) + summary.durable_s
         summary.prompt_tokens_per_s = tokens / summary.warm_s if summary.warm_s > 0 else 0.0
 
 
