@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import random
@@ -62,6 +63,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -123,10 +125,13 @@ def free_port() -> int:
 
 
 class Server:
-    """One vLLM OpenAI server on loopback, in its own process group."""
+    """One vLLM OpenAI server on loopback, in its own process group.
+
+    ``wait=False`` only launches it: :meth:`wait_ready` then waits for it (see :func:`ready_in_pairs`)."""
 
     def __init__(self, name: str, model: str, work: Path, kv: dict[str, Any] | None, prefix_caching: bool,
-                 max_len: int, env: dict[str, str] | None = None, extra: list[str] | None = None):
+                 max_len: int, env: dict[str, str] | None = None, extra: list[str] | None = None,
+                 wait: bool = True):
         self.name, self.model = name, model
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -152,20 +157,34 @@ class Server:
         self.log = self.dir / "server.log"
         with open(self.log, "w") as f:
             self.proc = subprocess.Popen(cmd, env=penv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 600
+        self.deadline = time.monotonic() + 600
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self, warm: bool = True) -> Server:
+        """Wait until it answers, then (``warm``) send it :meth:`warm_up`'s request; raises
+        RuntimeError if it exits or is not ready within 600 s of its launch."""
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{name} exited; see {self.log}:\n{self.tail()}")
+                raise RuntimeError(f"{self.name} exited; see {self.log}:\n{self.tail()}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     break
-            if time.monotonic() > deadline:
+            if time.monotonic() > self.deadline:
                 self.stop()
-                raise RuntimeError(f"{name} not ready in 600 s; see {self.log}")
+                raise RuntimeError(f"{self.name} not ready in 600 s; see {self.log}")
             time.sleep(0.5)
         self.client = httpx.Client(base_url=self.url, timeout=900)
-        # One throwaway request first: the first forward pass of a fresh vLLM pays
-        # one-off set-up costs that are no part of a load or a recompute.
+        if warm:
+            self.warm_up()
+        return self
+
+    def warm_up(self) -> None:
+        """One throwaway request: the first forward pass of a fresh vLLM pays one-off set-up
+        costs that are no part of a load or a recompute. Sent right before the measurements: a
+        server that answered it at start-up and then sat idle while its pair-mate started was
+        slow on its next request, whatever the connector (--quick: MooncakeStoreConnector 420 ms
+        against 42 at 513 tokens; ours, a first short request 1,041 ms against 47)."""
         self.ttft([11, 12, 13, 14, 15, 16, 17, 18] * 4)
 
     def tail(self, n: int = 30) -> str:
@@ -198,6 +217,32 @@ class Server:
 
         procs.stop_group(self.proc, grace_s)
         self.proc.wait()
+
+
+def ready_in_pairs(launch: list[Callable[[], Server]], servers: list[Server]) -> Iterator[Server]:
+    """Launch the servers two at a time and yield each once both of its pair are ready; the
+    caller measures it and stops it. Every server launched is added to ``servers`` first, so
+    the caller's clean-up stops it whatever happens.
+
+    Why: a vLLM start-up here is mostly one core importing in one process after another (API
+    server, engine, worker), 43 s for one and 51 s for two at once on 2 cores, and an idle
+    server then takes about 1% of a core (14 ticks in 10 s). Both are ready before either is
+    measured, so nothing starts while a request is timed."""
+    for i in range(0, len(launch), 2):
+        pair: list[Server] = []
+        try:
+            for make in launch[i : i + 2]:
+                pair.append(make())
+                servers.append(pair[-1])
+            for s in pair:
+                s.wait_ready(warm=False)
+            for s in pair:
+                s.warm_up()
+                yield s
+        finally:  # after a failed start or a caller's error, its pair-mate does not idle on
+            for s in pair:
+                if s.proc.poll() is None:
+                    s.stop(grace_s=10)
 
 
 # Where the worker's time goes during a load: the first category a sampled stack matches.
@@ -429,9 +474,10 @@ def main(argv: list[str] | None = None) -> int:
             record(f"{label}, writing", fam, s)
         time.sleep(2)  # let its background writes finish
         s.stop()
-        for which in ("past", "aligned"):
-            s = Server(f"{name}-{which}", model, work, kv, True, max_len, **server_kw)
-            servers.append(s)
+        whiches = ("past", "aligned")
+        launch = [functools.partial(Server, f"{name}-{w}", model, work, kv, True, max_len, wait=False, **server_kw)
+                  for w in whiches]
+        for which, s in zip(whiches, ready_in_pairs(launch, servers), strict=True):
             for b, fam in fams.items():
                 record(f"{label}, fresh process", fam if which == "past" else fam[:b], s)
             s.stop()
@@ -478,36 +524,35 @@ def main(argv: list[str] | None = None) -> int:
                         peer("LMCache multi-process", "lmcache-mp", kv)
                 except RuntimeError as e:
                     print(f"  LMCache multi-process failed on this machine: {e}", flush=True)
+            # vLLM's in-process CPU offloading: both launched at once, both ready (or failed)
+            # before either is measured.
+            cpu_peers: dict[str, Server] = {}
             if "offloading" in peers:
                 kv = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                       "kv_connector_extra_config": {"cpu_bytes_to_use": 2 << 30}}
-                try:
-                    s = Server("offloading", model, work, kv, False, max_len)
-                except RuntimeError as e:
-                    print(f"  vLLM OffloadingConnector does not start on this build: {str(e)[:300]}", flush=True)
-                    run.rows.append(Measure("vLLM OffloadingConnector, same process", 0, 0.0, 0, note="did not start"))
-                else:
-                    servers.append(s)
-                    same_process("vLLM OffloadingConnector, writing", "vLLM OffloadingConnector, same process", s)
-                    s.stop()
-
+                cpu_peers["offloading"] = Server("offloading", model, work, kv, False, max_len, wait=False)
             if "simple-cpu" in peers:
-                # In-process CPU tier; it needs vLLM's prefix cache on, which is emptied before
-                # each repeat so the repeat is served by the connector's CPU tier.
+                # It needs vLLM's prefix cache on, which is emptied before each repeat so the
+                # repeat is served by the connector's CPU tier.
                 kv = {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
                       "kv_connector_extra_config": {"cpu_bytes_to_use": 2 << 30}}
+                cpu_peers["simple-cpu"] = Server("simple-cpu", model, work, kv, True, max_len,
+                                                 env={"VLLM_SERVER_DEV_MODE": "1"}, wait=False)
+            servers.extend(cpu_peers.values())
+            failed: dict[str, RuntimeError] = {}
+            for key, s in cpu_peers.items():
                 try:
-                    s = Server("simple-cpu", model, work, kv, True, max_len, env={"VLLM_SERVER_DEV_MODE": "1"})
+                    s.wait_ready()
                 except RuntimeError as e:
-                    print(f"  vLLM SimpleCPUOffloadConnector does not start on this build: {str(e)[:300]}",
-                          flush=True)
-                    run.rows.append(Measure("vLLM SimpleCPUOffloadConnector, same process", 0, 0.0, 0,
-                                            note="did not start"))
-                else:
-                    servers.append(s)
-                    same_process("vLLM SimpleCPUOffloadConnector, writing",
-                                 "vLLM SimpleCPUOffloadConnector, same process", s, reset=True)
-                    s.stop()
+                    failed[key] = e
+            for key, s in cpu_peers.items():
+                label = "vLLM OffloadingConnector" if key == "offloading" else "vLLM SimpleCPUOffloadConnector"
+                if key in failed:
+                    print(f"  {label} does not start on this build: {str(failed[key])[:300]}", flush=True)
+                    run.rows.append(Measure(f"{label}, same process", 0, 0.0, 0, note="did not start"))
+                    continue
+                same_process(f"{label}, writing", f"{label}, same process", s, reset=(key == "simple-cpu"))
+                s.stop()
 
         if args.peers_only:
             run_peers()
@@ -534,11 +579,12 @@ def main(argv: list[str] | None = None) -> int:
         }
         for reader in readers_wanted:
             label, cfg = READERS[reader], configs[reader]
-            for which in ("past", "aligned"):
+            whiches = ("past", "aligned")
+            launch = [functools.partial(Server, f"{reader}-{w}", model, work,
+                                        ours(cfg, run_dir=str(work / f"{reader}-{w}" / "run")), False, max_len,
+                                        wait=False) for w in whiches]
+            for which, s in zip(whiches, ready_in_pairs(launch, servers), strict=True):
                 name = f"{reader}-{which}"
-                rdir = work / name / "run"
-                s = Server(name, model, work, ours(cfg, run_dir=str(rdir)), False, max_len)
-                servers.append(s)
                 for b, fam in families.items():
                     prompt = fam if which == "past" else fam[:b]
                     if args.profile and b == max(bases) and which == "past" and reader == "disk":
@@ -556,14 +602,16 @@ def main(argv: list[str] | None = None) -> int:
         # from disk each time): per server, three short requests alone, then one 20 ms after the
         # long prompt; the delay is that one against the same server's alone median. The control
         # (step 1's plain server) is the same with nothing loaded.
+        def trial_server(mode: str, trial: int) -> Server:
+            name = f"concurrent-{mode}-{trial}"
+            cfg = write_config(work / f"{name}.yaml", disk=disk, store=None)
+            return Server(name, model, work, ours(cfg, run_dir=str(work / name / "run"),
+                                                  async_loading=(mode == "async")), False, max_len, wait=False)
+
         for mode in () if args.no_concurrent else ("sync", "async"):
             trials = []
-            for trial in range(args.concurrent_trials):
-                name = f"concurrent-{mode}-{trial}"
-                cfg = write_config(work / f"{name}.yaml", disk=disk, store=None)
-                s = Server(name, model, work, ours(cfg, run_dir=str(work / name / "run"),
-                                                   async_loading=(mode == "async")), False, max_len)
-                servers.append(s)
+            launch = [functools.partial(trial_server, mode, t) for t in range(args.concurrent_trials)]
+            for trial, s in enumerate(ready_in_pairs(launch, servers)):
                 trials.append(concurrent_trial(s, f"{mode} loads", trial))
                 s.stop()
             record_concurrent(f"{mode} loads", trials)
