@@ -16,7 +16,7 @@ demo: setup
 demo-single: setup
 	.venv/bin/lmcache-mooncake demo
 
-# The benchmarks behind docs/performance.md (25-35 min on 2 cores); results
+# The benchmarks behind docs/performance.md (25-45 min on 2 cores, by VM); results
 # and plots go to benchmarks/results/.
 bench: setup
 	.venv/bin/python benchmarks/layout_copy.py
