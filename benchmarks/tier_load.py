@@ -27,7 +27,9 @@ baseline is ``torch`` copying the same number of bytes in the same run.
 every chunk with a keyed MAC (``chunk_auth_key_file``, keyed BLAKE3) instead of
 the XXH3-128 checksum, to measure what authenticated chunks cost.
 Each engine runs in its own process (LMCache's engine keeps process-wide
-state), so the figures come from fresh processes.
+state), so the figures come from fresh processes. They start two at a time
+(imports and set-up, about 10 s of one core each, overlap) and are timed one
+at a time: a process sets up, says it is ready, and waits for its turn.
 
     .venv/bin/python benchmarks/tier_load.py [--tokens 8192] [--json PATH] [--profile]
 """
@@ -81,6 +83,13 @@ def child(args: argparse.Namespace) -> None:
     rc = engine.request_configs(None, None)
     out: dict[str, float] = {}
     try:
+        if args.role == "reader" and not args.cold:
+            # Touch the buffers once, as a serving process's first requests do.
+            other = torch.arange(args.tokens) % 1999 + 3
+            eng.lookup(tokens=other, request_configs=rc)
+        # Set up: wait for the parent's go (one line on stdin), so only one process is timed at once.
+        print("@@ready", flush=True)
+        sys.stdin.readline()
         if args.role == "writer":
             for layer in kv:
                 layer.normal_()
@@ -94,10 +103,6 @@ def child(args: argparse.Namespace) -> None:
             if args.tier == "cpu":
                 _load(eng, kv, tokens, rc, out, args)
         else:
-            if not args.cold:
-                # Touch the buffers once, as a serving process's first requests do.
-                other = torch.arange(args.tokens) % 1999 + 3
-                eng.lookup(tokens=other, request_configs=rc)
             _load(eng, kv, tokens, rc, out, args)
     finally:
         engine.close_engine(eng, name)
@@ -170,19 +175,79 @@ def _load_as_worker(eng, kv, tokens, slots, rc) -> tuple[int, float, int, list[s
     return hit, lookup_s, loaded, kinds
 
 
-def run_child(role: str, tier: str, args: argparse.Namespace, disk: str, store_dir: str,
-              path: str = "lmcache") -> dict[str, float]:
-    cmd = [sys.executable, __file__, "--child", role, "--tier", tier, "--tokens", str(args.tokens),
-           "--disk", disk, "--store-dir", store_dir, "--path", path] + (["--profile"] if args.profile else []) \
-        + (["--cold"] if args.cold else []) + (["--auth-file", args.auth_file] if args.auth_file else [])
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    lines = [x for x in p.stdout.splitlines() if x.startswith("@@")]
-    if p.returncode != 0 or not lines:
-        raise SystemExit(f"{role} {tier} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
-    if args.profile:
-        prof = [x for x in p.stderr.splitlines() if "function calls" in x or x.strip()[:1].isdigit()]
-        print(f"--- profile, {role} {tier} ({path})\n" + "\n".join(prof[:22]))
-    return json.loads(lines[-1][2:])
+class Child:
+    """One engine process (see :func:`child`), launched now; :meth:`measure` times it."""
+
+    def __init__(self, role: str, tier: str, args: argparse.Namespace, disk: str, store_dir: str,
+                 path: str = "lmcache"):
+        self.what, self.path, self.args = f"{role} {tier}", path, args
+        cmd = [sys.executable, __file__, "--child", role, "--tier", tier, "--tokens", str(args.tokens),
+               "--disk", disk, "--store-dir", store_dir, "--path", path] + (["--profile"] if args.profile else []) \
+            + (["--cold"] if args.cold else []) + (["--auth-file", args.auth_file] if args.auth_file else [])
+        # Output to files, not pipes: a child that logs much cannot block while its pair-mate is timed.
+        self.out = tempfile.TemporaryFile("w+")
+        self.err = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=self.out, stderr=self.err, text=True)
+
+    def _lines(self) -> list[str]:
+        self.out.seek(0)
+        return [x for x in self.out.read().splitlines() if x.startswith("@@")]
+
+    def _fail(self, why: str) -> SystemExit:
+        self.err.seek(0)
+        self.out.seek(0)
+        return SystemExit(f"{self.what} {why}:\n{self.out.read()[-2000:]}\n{self.err.read()[-4000:]}")
+
+    def wait_ready(self, timeout_s: float = 600) -> None:
+        deadline = time.monotonic() + timeout_s
+        while "@@ready" not in self._lines():
+            if self.proc.poll() is not None:
+                raise self._fail("failed before it was ready")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise self._fail("was not ready in time")
+            time.sleep(0.05)
+
+    def measure(self, timeout_s: float = 600) -> dict[str, float]:
+        """Let the child load (or save) and return its timings."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise self._fail("timed out") from None
+        lines = [x for x in self._lines() if x != "@@ready"]
+        if self.proc.returncode != 0 or not lines:
+            raise self._fail("failed")
+        if self.args.profile:
+            self.err.seek(0)
+            prof = [x for x in self.err.read().splitlines() if "function calls" in x or x.strip()[:1].isdigit()]
+            print(f"--- profile, {self.what} ({self.path})\n" + "\n".join(prof[:22]))
+        return json.loads(lines[-1][2:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def run_children(jobs: list[tuple[str, str, str]], args: argparse.Namespace, disk: str,
+                 store_dir: str) -> list[dict[str, float]]:
+    """Run ``(role, tier, path)`` jobs two at a time: both processes start together (their imports
+    and set-up overlap on two cores), then each is timed alone, in order. Returns their timings."""
+    results: list[dict[str, float]] = []
+    for k in range(0, len(jobs), 2):
+        pair = [Child(role, tier, args, disk, store_dir, path) for role, tier, path in jobs[k : k + 2]]
+        try:
+            for c in pair:
+                c.wait_ready()
+            results.extend(c.measure() for c in pair)
+        finally:
+            for c in pair:
+                c.stop()
+    return results
 
 
 def memcpy_s(nbytes: int) -> float:
@@ -238,22 +303,21 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     start_store(StoreSpec(state_dir=store_dir, memory_bytes=max(4 * nbytes, 1 << 30)))
     try:
-        saved = run_child("writer", "cpu", args, disk, store_dir)  # CPU + disk tiers
+        # The writers: CPU + disk tiers, then the store.
+        writers = [("writer", "cpu", "lmcache")] + (
+            [("writer", "store-shm", "lmcache")] if any(t.startswith("store") for t in tiers) else [])
+        saved, *store_save = run_children(writers, args, disk, store_dir)
+        store_save = store_save[0] if store_save else None
         rows.append({"tier": "cpu", "path": "same", "load_s": saved["load_s"], "lookup_s": saved["lookup_s"],
                      "save_s": saved["store_s"], "durable_s": saved["durable_s"]})
-        if any(t.startswith("store") for t in tiers):
-            w = run_child("writer", "store-shm", args, disk, store_dir)
-            store_save = w
         paths = [p for p in args.paths.split(",") if p]
         samples: dict[tuple[str, str], list[dict]] = {}
         # Fresh-process loads vary by tens of percent on this machine: each (tier, path) is
         # loaded --repeat times, in rounds that alternate the paths, and the median is shown.
-        for _ in range(args.repeat):
-            for tier in tiers:
-                if tier == "cpu":
-                    continue
-                for path in paths:
-                    samples.setdefault((tier, path), []).append(run_child("reader", tier, args, disk, store_dir, path))
+        jobs = [("reader", tier, path) for _ in range(args.repeat) for tier in tiers if tier != "cpu"
+                for path in paths]
+        for (_, tier, path), r in zip(jobs, run_children(jobs, args, disk, store_dir), strict=True):
+            samples.setdefault((tier, path), []).append(r)
         for (tier, path), rs in samples.items():
             r = sorted(rs, key=lambda x: x["load_s"])[len(rs) // 2]
             row = {"tier": tier, "path": path, "load_s": r["load_s"], "lookup_s": r["lookup_s"],
