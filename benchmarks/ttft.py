@@ -45,6 +45,11 @@ Rows (``--peers`` chooses the peers; all by default):
     .venv/bin/python benchmarks/ttft.py [--quick] [--peers mooncake,example,lmcache,offloading,simple-cpu] [--json PATH]
     .venv/bin/python benchmarks/ttft.py --bases 8192 --readers disk,store-shm --peers mooncake --no-concurrent
 
+Servers start two at a time (:func:`ready_in_pairs`): the plain server with our
+writer, the peers' writers, each configuration's two readers, the concurrent
+trials (sync and async alternating). Both are ready before either is measured,
+and each gets a throwaway request right before its measurements.
+
 ``--quick`` uses a small model and shorter prompts (a smoke run in minutes).
 Prints a table, writes JSON and a PNG under ``benchmarks/results/``.
 """
@@ -219,30 +224,46 @@ class Server:
         self.proc.wait()
 
 
-def ready_in_pairs(launch: list[Callable[[], Server]], servers: list[Server]) -> Iterator[Server]:
+def ready_in_pairs(launch: list[Callable[[], Server]], servers: list[Server],
+                   failed: Callable[[Server, RuntimeError], None] | None = None) -> Iterator[Server]:
     """Launch the servers two at a time and yield each once both of its pair are ready; the
     caller measures it and stops it. Every server launched is added to ``servers`` first, so
-    the caller's clean-up stops it whatever happens.
+    the caller's clean-up stops it whatever happens. A server that does not start raises
+    RuntimeError (and its pair-mate is stopped), or with ``failed`` is handed to it and skipped.
 
     Why: a vLLM start-up here is mostly one core importing in one process after another (API
-    server, engine, worker), 43 s for one and 51 s for two at once on 2 cores, and an idle
-    server then takes about 1% of a core (14 ticks in 10 s). Both are ready before either is
-    measured, so nothing starts while a request is timed."""
+    server, engine, worker), 43 s for one and 51 s for two at once on 2 cores (76 s for three),
+    and an idle server then takes about 1% of a core (14 ticks in 10 s). Both are ready before
+    either is measured, so nothing starts while a request is timed."""
     for i in range(0, len(launch), 2):
         pair: list[Server] = []
         try:
             for make in launch[i : i + 2]:
                 pair.append(make())
                 servers.append(pair[-1])
+            ready = []
             for s in pair:
-                s.wait_ready(warm=False)
-            for s in pair:
+                try:
+                    ready.append(s.wait_ready(warm=False))
+                except RuntimeError as e:
+                    if failed is None:
+                        raise
+                    failed(s, e)
+            for s in ready:
                 s.warm_up()
                 yield s
         finally:  # after a failed start or a caller's error, its pair-mate does not idle on
             for s in pair:
                 if s.proc.poll() is None:
                     s.stop(grace_s=10)
+
+
+def reader_pair(name: str, make: Callable[..., Server]) -> tuple[tuple[str, str], list[Callable[[], Server]]]:
+    """The two fresh readers of one configuration, ``{name}-past`` (one past each block-aligned
+    length) and ``{name}-aligned``: ``(("past", "aligned"), launchers)``; ``make(server_name)``
+    builds one with ``wait=False``."""
+    whiches = ("past", "aligned")
+    return whiches, [functools.partial(make, f"{name}-{w}") for w in whiches]
 
 
 # Where the worker's time goes during a load: the first category a sampled stack matches.
@@ -456,39 +477,71 @@ def main(argv: list[str] | None = None) -> int:
         run.rows.append(Measure(f"short request delayed by the load ({mode})", 64, med(delay), 0,
                                 note=f"median over servers of (during - alone): {_ms(delay)} ms"))
 
-    def peer(label: str, name: str, kv: dict[str, Any], bases: list[int] | None = None, **server_kw: Any) -> None:
-        try:
-            _peer(label, name, kv, bases or list(families), **server_kw)
-        except RuntimeError as e:  # a peer that does not run here is a finding, not the end of the run
-            print(f"  {label} failed on this machine: {str(e)[:400]}", flush=True)
-            run.rows.append(Measure(f"{label}, fresh process", 0, 0.0, 0, note=f"failed: {str(e)[:200]}"))
-
-    def _peer(label: str, name: str, kv: dict[str, Any], bases: list[int], **server_kw: Any) -> None:
-        """A peer connector: one writer computes the families of ``bases``, then fresh readers
+    @dataclass
+    class Peer:
+        """A peer connector: a writer computes the families of ``bases``, then fresh readers
         (prefix caching on, as vLLM's own connectors want it) measure the one-past and the
         aligned prompts."""
-        fams = {b: families[b] for b in bases}
-        s = Server(f"{name}-writer", model, work, kv, True, max_len, **server_kw)
-        servers.append(s)
-        for fam in fams.values():
-            record(f"{label}, writing", fam, s)
-        time.sleep(2)  # let its background writes finish
-        s.stop()
-        whiches = ("past", "aligned")
-        launch = [functools.partial(Server, f"{name}-{w}", model, work, kv, True, max_len, wait=False, **server_kw)
-                  for w in whiches]
-        for which, s in zip(whiches, ready_in_pairs(launch, servers), strict=True):
-            for b, fam in fams.items():
-                record(f"{label}, fresh process", fam if which == "past" else fam[:b], s)
-            s.stop()
+
+        label: str
+        name: str
+        kv: dict[str, Any]
+        bases: list[int] = field(default_factory=list)
+        server_kw: dict[str, Any] = field(default_factory=dict)
+
+        def server(self, server_name: str) -> Server:
+            return Server(server_name, model, work, self.kv, True, max_len, wait=False, **self.server_kw)
+
+        def fail(self, e: RuntimeError) -> None:  # a peer that does not run here is a finding
+            print(f"  {self.label} failed on this machine: {str(e)[:400]}", flush=True)
+            run.rows.append(Measure(f"{self.label}, fresh process", 0, 0.0, 0, note=f"failed: {str(e)[:200]}"))
+
+    def peers_measured(group: list[Peer]) -> None:
+        """The writers of ``group`` start two at a time and write one after the other; then each
+        peer's two readers start together and are measured."""
+        by_writer = {f"{p.name}-writer": p for p in group}
+        launch = [functools.partial(p.server, f"{p.name}-writer") for p in group]
+        written = []
+        for s in ready_in_pairs(launch, servers, failed=lambda s, e: by_writer[s.name].fail(e)):
+            p = by_writer[s.name]
+            try:
+                for b in p.bases or list(families):
+                    record(f"{p.label}, writing", families[b], s)
+                time.sleep(2)  # let its background writes finish
+                written.append(p)
+            except RuntimeError as e:
+                p.fail(e)
+            finally:
+                s.stop()
+        for p in written:
+            whiches, launch = reader_pair(p.name, p.server)
+            try:
+                for which, s in zip(whiches, ready_in_pairs(launch, servers), strict=True):
+                    for b in p.bases or list(families):
+                        fam = families[b]
+                        record(f"{p.label}, fresh process", fam if which == "past" else fam[:b], s)
+                    s.stop()
+            except RuntimeError as e:
+                p.fail(e)
 
     store_dir = work / "store"
     st = start_store(StoreSpec(state_dir=store_dir, memory_bytes=2 << 30))
     servers: list[Server] = []
+    disk = work / "disk"
+    shm_store = {"master_address": "auto", "metadata_server": "auto", "store_dir": str(store_dir)}
+    tcp_store = {"master_address": st.master_addr, "metadata_server": st.metadata_url, "mode": "tcp"}
+    cfg_all = write_config(work / "all.yaml", disk=disk, store=shm_store)
     try:
+        # Steps 1 and 2 (plain vLLM, then our writer) start together.
+        first = [functools.partial(Server, "plain", model, work, None, True, max_len, wait=False)]
+        if not args.peers_only:
+            # Our writer: every tier at once; prefix caching off so repeats come from our CPU tier.
+            first.append(functools.partial(Server, "ours-writer", model, work,
+                                           ours(cfg_all, run_dir=str(work / "ours-writer" / "run")), False,
+                                           max_len, wait=False))
+        first_servers = ready_in_pairs(first, servers)
         # 1. plain vLLM: recompute, then its own prefix-cache hit.
-        s = Server("plain", model, work, None, True, max_len)
-        servers.append(s)
+        s = next(first_servers)
         same_process("recompute (plain vLLM)", "vLLM prefix cache, same process", s)
         if not args.no_concurrent:
             # The control of step 4: the long prompt served by vLLM's own prefix cache (nothing
@@ -499,6 +552,7 @@ def main(argv: list[str] | None = None) -> int:
         s.stop()
 
         def run_peers() -> None:
+            group = []
             if "mooncake" in peers:
                 mc_json = work / "mooncake-peer.json"
                 mc_json.write_text(json.dumps({
@@ -507,64 +561,53 @@ def main(argv: list[str] | None = None) -> int:
                     "local_buffer_size": "1GB"}))
                 env = {"MOONCAKE_CONFIG_PATH": str(mc_json), "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
                 kv = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
-                peer("vLLM MooncakeStoreConnector", "mooncake", kv, env=env)
+                group.append(Peer("vLLM MooncakeStoreConnector", "mooncake", kv, server_kw={"env": env}))
             if "example" in peers:
                 kv = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                       "kv_connector_extra_config": {"shared_storage_path": str(work / "example-store")}}
                 # Only the shortest length: it has loaded nothing at any length here (its
                 # fresh readers recompute), and each miss costs a full recompute.
-                peer("vLLM ExampleConnector", "example", kv, bases=[min(families)],
-                     extra=["--max-num-batched-tokens", str(max_len)])
+                group.append(Peer("vLLM ExampleConnector", "example", kv, bases=[min(families)],
+                                  server_kw={"extra": ["--max-num-batched-tokens", str(max_len)]}))
+            peers_measured(group)
             if "lmcache" in peers:
                 try:
                     with lmcache_server(work) as port:
                         kv = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
                               "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
                                                             "lmcache.mp.port": port}}
-                        peer("LMCache multi-process", "lmcache-mp", kv)
+                        peers_measured([Peer("LMCache multi-process", "lmcache-mp", kv)])
                 except RuntimeError as e:
                     print(f"  LMCache multi-process failed on this machine: {e}", flush=True)
-            # vLLM's in-process CPU offloading: both launched at once, both ready (or failed)
-            # before either is measured.
-            cpu_peers: dict[str, Server] = {}
+            # vLLM's in-process CPU offloading, started together.
+            labels = {"offloading": "vLLM OffloadingConnector", "simple-cpu": "vLLM SimpleCPUOffloadConnector"}
+            launch = []
             if "offloading" in peers:
                 kv = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                       "kv_connector_extra_config": {"cpu_bytes_to_use": 2 << 30}}
-                cpu_peers["offloading"] = Server("offloading", model, work, kv, False, max_len, wait=False)
+                launch.append(functools.partial(Server, "offloading", model, work, kv, False, max_len, wait=False))
             if "simple-cpu" in peers:
                 # It needs vLLM's prefix cache on, which is emptied before each repeat so the
                 # repeat is served by the connector's CPU tier.
                 kv = {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
                       "kv_connector_extra_config": {"cpu_bytes_to_use": 2 << 30}}
-                cpu_peers["simple-cpu"] = Server("simple-cpu", model, work, kv, True, max_len,
-                                                 env={"VLLM_SERVER_DEV_MODE": "1"}, wait=False)
-            servers.extend(cpu_peers.values())
-            failed: dict[str, RuntimeError] = {}
-            for key, s in cpu_peers.items():
-                try:
-                    s.wait_ready()
-                except RuntimeError as e:
-                    failed[key] = e
-            for key, s in cpu_peers.items():
-                label = "vLLM OffloadingConnector" if key == "offloading" else "vLLM SimpleCPUOffloadConnector"
-                if key in failed:
-                    print(f"  {label} does not start on this build: {str(failed[key])[:300]}", flush=True)
-                    run.rows.append(Measure(f"{label}, same process", 0, 0.0, 0, note="did not start"))
-                    continue
-                same_process(f"{label}, writing", f"{label}, same process", s, reset=(key == "simple-cpu"))
+                launch.append(functools.partial(Server, "simple-cpu", model, work, kv, True, max_len,
+                                                env={"VLLM_SERVER_DEV_MODE": "1"}, wait=False))
+
+            def did_not_start(s: Server, e: RuntimeError) -> None:
+                print(f"  {labels[s.name]} does not start on this build: {str(e)[:300]}", flush=True)
+                run.rows.append(Measure(f"{labels[s.name]}, same process", 0, 0.0, 0, note="did not start"))
+
+            for s in ready_in_pairs(launch, servers, failed=did_not_start):
+                label = labels[s.name]
+                same_process(f"{label}, writing", f"{label}, same process", s, reset=(s.name == "simple-cpu"))
                 s.stop()
 
         if args.peers_only:
             run_peers()
             return _finish(run, args, kv_bytes_per_token)
-        # 2. our writer: every tier at once; prefix caching off so repeats come from our CPU tier.
-        disk = work / "disk"
-        shm_store = {"master_address": "auto", "metadata_server": "auto", "store_dir": str(store_dir)}
-        tcp_store = {"master_address": st.master_addr, "metadata_server": st.metadata_url, "mode": "tcp"}
-        cfg_all = write_config(work / "all.yaml", disk=disk, store=shm_store)
-        s = Server("ours-writer", model, work, ours(cfg_all, run_dir=str(work / "ours-writer" / "run")), False,
-                   max_len)
-        servers.append(s)
+        # 2. our writer.
+        s = next(first_servers)
         same_process("ours, writing (recompute + save)", "ours, CPU tier, same process", s)
         kv_bytes_per_token = _bytes_per_token(read_connector_metrics(s))
         s.stop()
@@ -577,12 +620,13 @@ def main(argv: list[str] | None = None) -> int:
             "disk-one-pass": write_config(work / "disk-one-pass.yaml", disk=disk, store=None,
                                           verify_on_lookup=False),
         }
+        def our_reader(cfg: Path, server_name: str) -> Server:
+            return Server(server_name, model, work, ours(cfg, run_dir=str(work / server_name / "run")), False,
+                          max_len, wait=False)
+
         for reader in readers_wanted:
             label, cfg = READERS[reader], configs[reader]
-            whiches = ("past", "aligned")
-            launch = [functools.partial(Server, f"{reader}-{w}", model, work,
-                                        ours(cfg, run_dir=str(work / f"{reader}-{w}" / "run")), False, max_len,
-                                        wait=False) for w in whiches]
+            whiches, launch = reader_pair(reader, functools.partial(our_reader, cfg))
             for which, s in zip(whiches, ready_in_pairs(launch, servers), strict=True):
                 name = f"{reader}-{which}"
                 for b, fam in families.items():
@@ -608,13 +652,17 @@ def main(argv: list[str] | None = None) -> int:
             return Server(name, model, work, ours(cfg, run_dir=str(work / name / "run"),
                                                   async_loading=(mode == "async")), False, max_len, wait=False)
 
-        for mode in () if args.no_concurrent else ("sync", "async"):
-            trials = []
-            launch = [functools.partial(trial_server, mode, t) for t in range(args.concurrent_trials)]
-            for trial, s in enumerate(ready_in_pairs(launch, servers)):
-                trials.append(concurrent_trial(s, f"{mode} loads", trial))
-                s.stop()
-            record_concurrent(f"{mode} loads", trials)
+        # The two modes' servers alternate (sync, async, sync, ...), so each pair started together
+        # holds one of each and a drift of the machine over the run reaches both modes alike.
+        modes = () if args.no_concurrent else ("sync", "async")
+        plan = [(mode, t) for t in range(args.concurrent_trials) for mode in modes]
+        trials: dict[str, list[tuple[list[float], float, float]]] = {mode: [] for mode in modes}
+        launch = [functools.partial(trial_server, mode, t) for mode, t in plan]
+        for (mode, trial), s in zip(plan, ready_in_pairs(launch, servers), strict=True):
+            trials[mode].append(concurrent_trial(s, f"{mode} loads", trial))
+            s.stop()
+        for mode in modes:
+            record_concurrent(f"{mode} loads", trials[mode])
 
         # 5. peers.
         run_peers()
