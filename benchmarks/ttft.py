@@ -26,8 +26,9 @@ Rows (``--peers`` chooses the peers; all by default):
   the same store (TCP), prefix caching on (with it off it never loads).
 - ``vLLM ExampleConnector``: vLLM's file-based example connector (it needs
   ``--max-num-batched-tokens`` above the prompt, else it crashes on chunked prefill),
-  at the shortest length only: on this build its fresh readers never hit (every
-  run up to 2026-12-05, at every length), and each miss is a full recompute.
+  at the shortest length and one past a block only, one fresh reader: on this
+  build its fresh readers never hit (every run up to 2026-12-05, at every
+  length), and each miss is a full recompute.
 - ``LMCache multi-process``: an ``lmcache server`` (2 GiB L1) and vLLM's
   ``LMCacheMPConnector``; fresh vLLM processes read what the writer stored.
 - ``vLLM OffloadingConnector``: vLLM's in-process CPU tier (prefix caching off,
@@ -99,6 +100,9 @@ class Run:
     memcpy_gbps: float = 0.0
     load_stats: dict[str, dict[str, int]] = field(default_factory=dict)
     profile: dict[str, float] = field(default_factory=dict)
+    #: Disk readers: share of the disk tier's bytes in the page cache as the reader's first request
+    #: is sent (the rest is read from the disk itself), see :func:`page_cache_share`.
+    page_cache: dict[str, float] = field(default_factory=dict)
 
 
 #: Row labels of the short-request-during-a-long-load measurement: their own table, not the plot.
@@ -287,11 +291,11 @@ def ready_in_pairs(launch: list[Callable[[], Server]], servers: list[Server],
                     s.stop(grace_s=10)
 
 
-def reader_pair(name: str, make: Callable[..., Server]) -> tuple[tuple[str, str], list[Callable[[], Server]]]:
-    """The two fresh readers of one configuration, ``{name}-past`` (one past each block-aligned
-    length) and ``{name}-aligned``: ``(("past", "aligned"), launchers)``; ``make(server_name)``
-    builds one with ``wait=False``."""
-    whiches = ("past", "aligned")
+def reader_pair(name: str, make: Callable[..., Server], whiches: tuple[str, ...] = ("past", "aligned"),
+                ) -> tuple[tuple[str, ...], list[Callable[[], Server]]]:
+    """The fresh readers of one configuration, ``{name}-past`` (one past each block-aligned
+    length) and ``{name}-aligned``, or those of ``whiches``: ``(whiches, launchers)``;
+    ``make(server_name)`` builds one with ``wait=False``."""
     return whiches, [functools.partial(make, f"{name}-{w}") for w in whiches]
 
 
@@ -308,8 +312,8 @@ PROFILE_CATEGORIES = [
 
 # Stacks of a thread that waits (vLLM's worker waiting for the next step, the lookup
 # server polling): not time spent on the request.
-IDLE = ("acquire_read", "SpinCondition", "wait (threading", "select (selectors", "_poll", "recv_multipart",
-        "sleep")
+IDLE = ("acquire_read", "SpinCondition", "wait (threading", "select (selectors", "_poll", "Poller.poll",
+        "recv_multipart", "sleep")
 
 
 class Profile:
@@ -371,6 +375,24 @@ def write_config(path: Path, *, disk: Path | None, store: dict[str, str] | None,
         lines += [f"  {k}: {json.dumps(v)}" for k, v in store.items()]
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def page_cache_share(folder: Path) -> float | None:
+    """The share of the bytes of the files under ``folder`` that are in the page cache, from
+    util-linux's ``fincore``; None without it or without files. A kernel that pages out cold
+    memory (this VM's DAMON ``pageout`` scheme, ``docs/performance.md``) leaves a disk tier's
+    files partly on the disk itself a minute or two after they were written."""
+    import shutil
+
+    exe = shutil.which("fincore")
+    files = sorted(str(f) for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else []
+    if exe is None or not files:
+        return None
+    out = subprocess.run([exe, "--bytes", "--noheadings", "--raw", "--output", "RES,SIZE", *files],
+                         capture_output=True, text=True, check=False).stdout
+    sizes = [tuple(int(x) for x in line.split()) for line in out.splitlines() if len(line.split()) == 2]
+    total = sum(size for _, size in sizes)
+    return sum(res for res, _ in sizes) / total if total else None
 
 
 def memcpy_gbps(nbytes: int) -> float:
@@ -520,6 +542,7 @@ def main(argv: list[str] | None = None) -> int:
         kv: dict[str, Any]
         bases: list[int] = field(default_factory=list)
         server_kw: dict[str, Any] = field(default_factory=dict)
+        whiches: tuple[str, ...] = ("past", "aligned")  # its fresh readers (see reader_pair)
 
         def server(self, server_name: str) -> Server:
             return Server(server_name, model, work, self.kv, True, max_len, wait=False, **self.server_kw)
@@ -546,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 s.stop()
         for p in written:
-            whiches, launch = reader_pair(p.name, p.server)
+            whiches, launch = reader_pair(p.name, p.server, p.whiches)
             try:
                 for which, s in zip(whiches, ready_in_pairs(launch, servers), strict=True):
                     for b in p.bases or list(families):
@@ -597,10 +620,12 @@ def main(argv: list[str] | None = None) -> int:
             if "example" in peers:
                 kv = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                       "kv_connector_extra_config": {"shared_storage_path": str(work / "example-store")}}
-                # Only the shortest length: it has loaded nothing at any length here (its
-                # fresh readers recompute), and each miss costs a full recompute.
+                # Only the shortest length, one past a block: it has loaded nothing at any
+                # length here (its fresh readers recompute), and each miss costs a full
+                # recompute and a reader's start (~25 s).
                 group.append(Peer("vLLM ExampleConnector", "example", kv, bases=[min(families)],
-                                  server_kw={"extra": ["--max-num-batched-tokens", str(max_len)]}))
+                                  server_kw={"extra": ["--max-num-batched-tokens", str(max_len)]},
+                                  whiches=("past",)))
             peers_measured(group)
             if "lmcache" in peers:
                 try:
@@ -666,6 +691,10 @@ def main(argv: list[str] | None = None) -> int:
             whiches, launch = reader_pair(reader, functools.partial(our_reader, cfg))
             for which, s in zip(whiches, ready_in_pairs(launch, servers), strict=True):
                 name = f"{reader}-{which}"
+                share = page_cache_share(disk) if reader.startswith("disk") else None
+                if share is not None:
+                    run.page_cache[name] = share
+                    print(f"  {name}: {share:.0%} of the disk tier's bytes in the page cache", flush=True)
                 for b, fam in families.items():
                     prompt = fam if which == "past" else fam[:b]
                     if args.profile and b == max(bases) and which == "past" and reader == "disk":
@@ -820,6 +849,8 @@ def print_table(run: Run, kv_bytes_per_token: int) -> None:
         for m in concurrent:
             print(f"  {m.config:52s} {m.ttft_s * 1000:7.0f} ms  ({m.note})")
     print(f"\nplain memory copy in this run: {run.memcpy_gbps:.2f} GB/s; KV {kv_bytes_per_token} bytes/token")
+    for name, share in run.page_cache.items():
+        print(f"{name}: {share:.0%} of the disk tier's bytes were in the page cache at its first request")
     if run.profile:
         print("profile of the worker during the longest cached load from the disk tier (py-spy, 200 Hz, s):")
         for cat, secs in run.profile.items():
@@ -858,7 +889,8 @@ def plot(run: Run, path: Path) -> None:
 def replot(json_path: Path) -> None:
     data = json.loads(json_path.read_text())
     run = Run(model=data["model"], lengths=data["lengths"], rows=[Measure(**m) for m in data["rows"]],
-              memcpy_gbps=data.get("memcpy_gbps", 0.0), profile=data.get("profile", {}))
+              memcpy_gbps=data.get("memcpy_gbps", 0.0), profile=data.get("profile", {}),
+              page_cache=data.get("page_cache", {}))
     print_table(run, data.get("kv_bytes_per_token", 0))
     plot(run, json_path.with_suffix(".png"))
 
