@@ -15,11 +15,12 @@ back into other blocks:
 - ``disk-one-pass``: the disk tier with ``verify_on_lookup: false`` (the
   lookup only checks that files exist; the load reads and checks each once).
 
-Each reader tier is loaded twice, each time by a fresh process: the way a
+Each reader tier is loaded by fresh processes (``--repeat`` of them) the way a
 served worker loads (``worker``: :class:`~lmcache_mooncake.connector.direct.DirectLoader`
 for chunks the CPU tier does not hold, LMCache's ``retrieve`` for the rest,
-as ``WorkerSide._load`` runs them) and through LMCache's ``retrieve`` alone
-(``lmcache``), so the table shows what skipping LMCache's buffers gives.
+as ``WorkerSide._load`` runs them); ``--paths worker,lmcache`` also loads each
+through LMCache's ``retrieve`` alone (``lmcache``), so the table shows what
+skipping LMCache's buffers gives.
 Load time is the lookup plus the load (what a cached request waits for);
 save time is ``store()`` plus waiting until every tier has written. The
 baseline is ``torch`` copying the same number of bytes in the same run.
@@ -31,7 +32,7 @@ state), so the figures come from fresh processes. They start two at a time
 (imports and set-up, about 10 s of one core each, overlap) and are timed one
 at a time: a process sets up, says it is ready, and waits for its turn.
 
-    .venv/bin/python benchmarks/tier_load.py [--tokens 8192] [--json PATH] [--profile]
+    .venv/bin/python benchmarks/tier_load.py [--tokens 8192] [--paths worker,lmcache] [--auth] [--json PATH] [--profile]
 """
 
 from __future__ import annotations
@@ -269,9 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--tiers", default="cpu,disk,disk-one-pass,store-shm,store-tcp")
-    ap.add_argument("--paths", default="worker,lmcache",
+    ap.add_argument("--paths", default="worker",
                     help="how readers load: worker (as a served worker: DirectLoader, then LMCache's retrieve), "
-                         "lmcache (LMCache's retrieve alone); comma-separated")
+                         "lmcache (LMCache's retrieve alone); comma-separated (default worker: the product's "
+                         "path; worker,lmcache adds the comparison, about 1.5 minutes more)")
     ap.add_argument("--repeat", type=int, default=3,
                     help="fresh reader processes per tier and path; the table shows the median load")
     ap.add_argument("--json", type=Path, default=HERE / "results" / "tier_load.json")
