@@ -274,8 +274,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="how readers load: worker (as a served worker: DirectLoader, then LMCache's retrieve), "
                          "lmcache (LMCache's retrieve alone); comma-separated (default worker: the product's "
                          "path; worker,lmcache adds the comparison, about 1.5 minutes more)")
-    ap.add_argument("--repeat", type=int, default=3,
-                    help="fresh reader processes per tier and path; the table shows the median load")
+    ap.add_argument("--repeat", type=int, default=2,
+                    help="fresh reader processes per tier and path; the table shows the median load (of two, "
+                    "the slower; default 2, which keeps make bench under 30 minutes)")
     ap.add_argument("--json", type=Path, default=HERE / "results" / "tier_load.json")
     ap.add_argument("--profile", action="store_true", help="cProfile each load")
     ap.add_argument("--cold", action="store_true", help="the first load of a process (buffers untouched)")

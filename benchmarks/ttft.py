@@ -46,7 +46,7 @@ Rows (``--peers`` chooses the peers; all by default):
     .venv/bin/python benchmarks/ttft.py [--quick] [--peers mooncake,example,lmcache,offloading,simple-cpu] [--json PATH]
     .venv/bin/python benchmarks/ttft.py --bases 8192 --readers disk,store-shm --peers mooncake --no-concurrent
 
-Servers start two at a time (:func:`ready_in_pairs`): the plain server with our
+Servers start two at a time (:func:`ready_in_groups`): the plain server with our
 writer, the peers' writers, each configuration's two readers, the concurrent
 trials (sync and async alternating). Both are ready before either is measured,
 and each gets a throwaway request right before its measurements.
@@ -162,15 +162,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: Seconds a server that wrote nothing later readers need gets to exit before SIGKILL. vLLM
+#: 0.32.0's shutdown here sometimes hangs: the engine's worker exits, then the API server waits
+#: out its 60 s timeout (2 of 114 servers in the runs of 2026-12-06, a minute lost each).
+QUIET_STOP_S = 15.0
+
+
 class Server:
     """One vLLM OpenAI server on loopback, in its own process group.
 
-    ``wait=False`` only launches it: :meth:`wait_ready` then waits for it (see :func:`ready_in_pairs`)."""
+    ``wait=False`` only launches it: :meth:`wait_ready` then waits for it (see :func:`ready_in_groups`)."""
 
     def __init__(self, name: str, model: str, work: Path, kv: dict[str, Any] | None, prefix_caching: bool,
                  max_len: int, env: dict[str, str] | None = None, extra: list[str] | None = None,
-                 wait: bool = True):
+                 wait: bool = True, drains: bool = False):
         self.name, self.model = name, model
+        self.drains = drains  # a writer: :meth:`stop` gives it time to finish its writes
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.dir = work / name
@@ -248,30 +255,33 @@ class Server:
         details = (r.json().get("usage") or {}).get("prompt_tokens_details") or {}
         return elapsed, int(details.get("cached_tokens") or 0)
 
-    def stop(self, grace_s: float = 60) -> None:
+    def stop(self, grace_s: float | None = None) -> None:
         """SIGTERM to the group (the connector drains its writes), up to ``grace_s`` for all of
-        it to exit, then SIGKILL what is left (``procs.stop_group``)."""
+        it to exit, then SIGKILL what is left (``procs.stop_group``). By default 60 s for a
+        writer (``drains``: the readers after it need every chunk it wrote) and
+        :data:`QUIET_STOP_S` for the others."""
         from lmcache_mooncake import procs
 
-        procs.stop_group(self.proc, grace_s)
+        procs.stop_group(self.proc, grace_s if grace_s is not None else 60 if self.drains else QUIET_STOP_S)
         self.proc.wait()
 
 
-def ready_in_pairs(launch: list[Callable[[], Server]], servers: list[Server],
-                   failed: Callable[[Server, RuntimeError], None] | None = None) -> Iterator[Server]:
-    """Launch the servers two at a time and yield each once both of its pair are ready; the
+def ready_in_groups(launch: list[Callable[[], Server]], servers: list[Server],
+                    failed: Callable[[Server, RuntimeError], None] | None = None, size: int = 2) -> Iterator[Server]:
+    """Launch the servers ``size`` at a time and yield each once all of its group are ready; the
     caller measures it and stops it. Every server launched is added to ``servers`` first, so
     the caller's clean-up stops it whatever happens. A server that does not start raises
-    RuntimeError (and its pair-mate is stopped), or with ``failed`` is handed to it and skipped.
+    RuntimeError (and its group-mates are stopped), or with ``failed`` is handed to it and skipped.
 
     Why: a vLLM start-up here is mostly one core importing in one process after another (API
     server, engine, worker), 43 s for one and 51 s for two at once on 2 cores (76 s for three),
     and an idle server then takes about 1% of a core (14 ticks in 10 s). Both are ready before
-    either is measured, so nothing starts while a request is timed."""
-    for i in range(0, len(launch), 2):
+    either is measured, so nothing starts while a request is timed. Three at once take 76 s,
+    which beats a pair then a lone server (51 + 43 s) but not pairs."""
+    for i in range(0, len(launch), size):
         pair: list[Server] = []
         try:
-            for make in launch[i : i + 2]:
+            for make in launch[i : i + size]:
                 pair.append(make())
                 servers.append(pair[-1])
             ready = []
@@ -545,19 +555,21 @@ def main(argv: list[str] | None = None) -> int:
         whiches: tuple[str, ...] = ("past", "aligned")  # its fresh readers (see reader_pair)
 
         def server(self, server_name: str) -> Server:
-            return Server(server_name, model, work, self.kv, True, max_len, wait=False, **self.server_kw)
+            return Server(server_name, model, work, self.kv, True, max_len, wait=False,
+                          drains=server_name.endswith("-writer"), **self.server_kw)
 
         def fail(self, e: RuntimeError) -> None:  # a peer that does not run here is a finding
             print(f"  {self.label} failed on this machine: {str(e)[:400]}", flush=True)
             run.rows.append(Measure(f"{self.label}, fresh process", 0, 0.0, 0, note=f"failed: {str(e)[:200]}"))
 
     def peers_measured(group: list[Peer]) -> None:
-        """The writers of ``group`` start two at a time and write one after the other; then each
-        peer's two readers start together and are measured."""
+        """The writers of ``group`` start two at a time and write one after the other; then the
+        peers' readers start two at a time (three at once when there are three: the
+        ``MooncakeStoreConnector``'s two and ``ExampleConnector``'s one) and are measured."""
         by_writer = {f"{p.name}-writer": p for p in group}
         launch = [functools.partial(p.server, f"{p.name}-writer") for p in group]
         written = []
-        for s in ready_in_pairs(launch, servers, failed=lambda s, e: by_writer[s.name].fail(e)):
+        for s in ready_in_groups(launch, servers, failed=lambda s, e: by_writer[s.name].fail(e)):
             p = by_writer[s.name]
             try:
                 for b in p.bases or list(families):
@@ -568,16 +580,23 @@ def main(argv: list[str] | None = None) -> int:
                 p.fail(e)
             finally:
                 s.stop()
+        readers: dict[str, tuple[Peer, str]] = {}  # server name -> (peer, which)
+        launch = []
         for p in written:
-            whiches, launch = reader_pair(p.name, p.server, p.whiches)
+            whiches, launchers = reader_pair(p.name, p.server, p.whiches)
+            readers.update({f"{p.name}-{w}": (p, w) for w in whiches})
+            launch += launchers
+        for s in ready_in_groups(launch, servers, failed=lambda s, e: readers[s.name][0].fail(e),
+                                 size=3 if len(launch) == 3 else 2):
+            p, which = readers[s.name]
             try:
-                for which, s in zip(whiches, ready_in_pairs(launch, servers), strict=True):
-                    for b in p.bases or list(families):
-                        fam = families[b]
-                        record(f"{p.label}, fresh process", fam if which == "past" else fam[:b], s)
-                    s.stop()
+                for b in p.bases or list(families):
+                    fam = families[b]
+                    record(f"{p.label}, fresh process", fam if which == "past" else fam[:b], s)
             except RuntimeError as e:
                 p.fail(e)
+            finally:
+                s.stop()
 
     store_dir = work / "store"
     st = start_store(StoreSpec(state_dir=store_dir, memory_bytes=2 << 30))
@@ -593,8 +612,8 @@ def main(argv: list[str] | None = None) -> int:
             # Our writer: every tier at once; prefix caching off so repeats come from our CPU tier.
             first.append(functools.partial(Server, "ours-writer", model, work,
                                            ours(cfg_all, run_dir=str(work / "ours-writer" / "run")), False,
-                                           max_len, wait=False))
-        first_servers = ready_in_pairs(first, servers)
+                                           max_len, wait=False, drains=True))
+        first_servers = ready_in_groups(first, servers)
         # 1. plain vLLM: recompute, then its own prefix-cache hit.
         s = next(first_servers)
         same_process("recompute (plain vLLM)", "vLLM prefix cache, same process", s, settle_s=0)
@@ -659,7 +678,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {labels[s.name]} does not start on this build: {str(e)[:300]}", flush=True)
                 run.rows.append(Measure(f"{labels[s.name]}, same process", 0, 0.0, 0, note="did not start"))
 
-            for s in ready_in_pairs(launch, servers, failed=did_not_start):
+            for s in ready_in_groups(launch, servers, failed=did_not_start):
                 label = labels[s.name]
                 same_process(f"{label}, writing", f"{label}, same process", s, reset=(s.name == "simple-cpu"))
                 s.stop()
@@ -689,7 +708,7 @@ def main(argv: list[str] | None = None) -> int:
         for reader in readers_wanted:
             label, cfg = READERS[reader], configs[reader]
             whiches, launch = reader_pair(reader, functools.partial(our_reader, cfg))
-            for which, s in zip(whiches, ready_in_pairs(launch, servers), strict=True):
+            for which, s in zip(whiches, ready_in_groups(launch, servers), strict=True):
                 name = f"{reader}-{which}"
                 share = page_cache_share(disk) if reader.startswith("disk") else None
                 if share is not None:
@@ -724,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = [(mode, t) for t in range(args.concurrent_trials) for mode in modes]
         trials: dict[str, list[tuple[list[float], float, float]]] = {mode: [] for mode in modes}
         launch = [functools.partial(trial_server, mode, t) for mode, t in plan]
-        for (mode, trial), s in zip(plan, ready_in_pairs(launch, servers), strict=True):
+        for (mode, trial), s in zip(plan, ready_in_groups(launch, servers), strict=True):
             trials[mode].append(concurrent_trial(s, f"{mode} loads", trial))
             s.stop()
         for mode in modes:
