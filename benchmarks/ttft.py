@@ -48,8 +48,9 @@ Rows (``--peers`` chooses the peers; all by default):
 
 Servers start two at a time (:func:`ready_in_groups`): the plain server with our
 writer, the peers' writers, each configuration's two readers, the concurrent
-trials (sync and async alternating). Both are ready before either is measured,
-and each gets a throwaway request right before its measurements.
+trials (sync and async alternating); the peers' three readers start at once.
+All of a group are ready before any is measured, and each gets a throwaway
+request right before its measurements.
 
 ``--quick`` uses a small model and shorter prompts (a smoke run in minutes).
 Prints a table, writes JSON and a PNG under ``benchmarks/results/``.
