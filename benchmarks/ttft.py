@@ -163,6 +163,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: Seconds a writer gets to exit before SIGKILL: the readers after it need every chunk it wrote.
+WRITER_STOP_S = 60.0
 #: Seconds a server that wrote nothing later readers need gets to exit before SIGKILL. vLLM
 #: 0.32.0's shutdown here sometimes hangs: the engine's worker exits, then the API server waits
 #: out its 60 s timeout (2 of 114 servers in the runs of 2026-12-06, a minute lost each).
@@ -258,12 +260,13 @@ class Server:
 
     def stop(self, grace_s: float | None = None) -> None:
         """SIGTERM to the group (the connector drains its writes), up to ``grace_s`` for all of
-        it to exit, then SIGKILL what is left (``procs.stop_group``). By default 60 s for a
-        writer (``drains``: the readers after it need every chunk it wrote) and
-        :data:`QUIET_STOP_S` for the others."""
+        it to exit, then SIGKILL what is left (``procs.stop_group``). By default
+        :data:`WRITER_STOP_S` for a writer (``drains``) and :data:`QUIET_STOP_S` for the others."""
         from lmcache_mooncake import procs
 
-        procs.stop_group(self.proc, grace_s if grace_s is not None else 60 if self.drains else QUIET_STOP_S)
+        if grace_s is None:
+            grace_s = WRITER_STOP_S if self.drains else QUIET_STOP_S
+        procs.stop_group(self.proc, grace_s)
         self.proc.wait()
 
 
@@ -276,17 +279,17 @@ def ready_in_groups(launch: list[Callable[[], Server]], servers: list[Server],
 
     Why: a vLLM start-up here is mostly one core importing in one process after another (API
     server, engine, worker), 43 s for one and 51 s for two at once on 2 cores (76 s for three),
-    and an idle server then takes about 1% of a core (14 ticks in 10 s). Both are ready before
-    either is measured, so nothing starts while a request is timed. Three at once take 76 s,
-    which beats a pair then a lone server (51 + 43 s) but not pairs."""
+    and an idle server then takes about 1% of a core (14 ticks in 10 s). All of a group are
+    ready before any is measured, so nothing starts while a request is timed. Three at once
+    beat a pair then a lone server (51 + 43 s) but not pairs."""
     for i in range(0, len(launch), size):
-        pair: list[Server] = []
+        group: list[Server] = []
         try:
             for make in launch[i : i + size]:
-                pair.append(make())
-                servers.append(pair[-1])
+                group.append(make())
+                servers.append(group[-1])
             ready = []
-            for s in pair:
+            for s in group:
                 try:
                     ready.append(s.wait_ready(warm=False))
                 except RuntimeError as e:
@@ -296,8 +299,8 @@ def ready_in_groups(launch: list[Callable[[], Server]], servers: list[Server],
             for s in ready:
                 s.warm_up()
                 yield s
-        finally:  # after a failed start or a caller's error, its pair-mate does not idle on
-            for s in pair:
+        finally:  # after a failed start or a caller's error, its group-mates do not idle on
+            for s in group:
                 if s.proc.poll() is None:
                     s.stop(grace_s=10)
 
@@ -555,9 +558,9 @@ def main(argv: list[str] | None = None) -> int:
         server_kw: dict[str, Any] = field(default_factory=dict)
         whiches: tuple[str, ...] = ("past", "aligned")  # its fresh readers (see reader_pair)
 
-        def server(self, server_name: str) -> Server:
-            return Server(server_name, model, work, self.kv, True, max_len, wait=False,
-                          drains=server_name.endswith("-writer"), **self.server_kw)
+        def server(self, server_name: str, drains: bool = False) -> Server:
+            return Server(server_name, model, work, self.kv, True, max_len, wait=False, drains=drains,
+                          **self.server_kw)
 
         def fail(self, e: RuntimeError) -> None:  # a peer that does not run here is a finding
             print(f"  {self.label} failed on this machine: {str(e)[:400]}", flush=True)
@@ -568,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
         peers' readers start two at a time (three at once when there are three: the
         ``MooncakeStoreConnector``'s two and ``ExampleConnector``'s one) and are measured."""
         by_writer = {f"{p.name}-writer": p for p in group}
-        launch = [functools.partial(p.server, f"{p.name}-writer") for p in group]
+        launch = [functools.partial(p.server, f"{p.name}-writer", drains=True) for p in group]
         written = []
         for s in ready_in_groups(launch, servers, failed=lambda s, e: by_writer[s.name].fail(e)):
             p = by_writer[s.name]
