@@ -36,9 +36,9 @@ from pathlib import Path
 
 import torch
 
-from lmcache_mooncake import block_chunks
-from lmcache_mooncake.keys import BLOCKS, TOKENS
-from lmcache_mooncake.layouts import (
+from lmcache_mooncake.chunks.keys import BLOCKS, TOKENS
+from lmcache_mooncake.kv import block_chunks
+from lmcache_mooncake.kv.layouts import (
     CpuAttnLayout,
     GpuPagedLayout,
     PagedKV,

@@ -47,9 +47,9 @@ from pathlib import Path
 
 import httpx
 
-from lmcache_mooncake import procs
-from lmcache_mooncake.metrics_client import fetch
-from lmcache_mooncake.serve import vllm_command
+from lmcache_mooncake.commands.serve import vllm_command
+from lmcache_mooncake.obs.metrics_client import fetch
+from lmcache_mooncake.runtime import procs
 from lmcache_mooncake.store.launcher import StoreSpec, start_store, stop_store
 from lmcache_mooncake.testing.models import ModelSpec, build_model
 from lmcache_mooncake.testing.offline import vllm_env

@@ -63,7 +63,7 @@ os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from lmcache_mooncake import chunk_format  # noqa: E402
+from lmcache_mooncake.chunks import chunk_format  # noqa: E402
 from lmcache_mooncake.store.client import StoreClient, describe  # noqa: E402
 from lmcache_mooncake.store.launcher import StoreSpec, start_store, stop_store  # noqa: E402
 

@@ -55,10 +55,11 @@ def child(args: argparse.Namespace) -> None:
     import torch
     from layout_copy import vllm_kv_caches
 
-    from lmcache_mooncake import engine, layouts
+    from lmcache_mooncake import engine
+    from lmcache_mooncake.chunks.keys import KeyNamespace
     from lmcache_mooncake.config import CacheConfig, MooncakeConfig
     from lmcache_mooncake.connector import direct  # noqa: F401  (imported, as in a worker, before any timing)
-    from lmcache_mooncake.keys import KeyNamespace
+    from lmcache_mooncake.kv import layouts
 
     torch.set_num_threads(1)
     tokens = torch.arange(args.tokens) % 2000 + 7

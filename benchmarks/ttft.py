@@ -77,7 +77,7 @@ from typing import Any
 
 import httpx
 
-from lmcache_mooncake.malloc_env import malloc_env
+from lmcache_mooncake.runtime.malloc_env import malloc_env
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -262,7 +262,7 @@ class Server:
         """SIGTERM to the group (the connector drains its writes), up to ``grace_s`` for all of
         it to exit, then SIGKILL what is left (``procs.stop_group``). By default
         :data:`WRITER_STOP_S` for a writer (``drains``) and :data:`QUIET_STOP_S` for the others."""
-        from lmcache_mooncake import procs
+        from lmcache_mooncake.runtime import procs
 
         if grace_s is None:
             grace_s = WRITER_STOP_S if self.drains else QUIET_STOP_S
@@ -374,7 +374,7 @@ class Profile:
 
 
 def ours(config_file: Path, role: str = "kv_both", **overrides: Any) -> dict[str, Any]:
-    from lmcache_mooncake.serve import connector_config
+    from lmcache_mooncake.commands.serve import connector_config
 
     return connector_config(role, {"config_file": str(config_file), **overrides})
 
@@ -417,7 +417,7 @@ def memcpy_gbps(nbytes: int) -> float:
 
 def read_connector_metrics(server: Server) -> dict[str, float]:
     """Our counters on ``server``'s /metrics (summed over labels but ``tier``), read before it stops."""
-    from lmcache_mooncake.metrics_client import fetch
+    from lmcache_mooncake.obs.metrics_client import fetch
 
     time.sleep(0.5)  # the last step's stats reach the API process just after its answer
     m = fetch(server.url)

@@ -17,7 +17,7 @@ export VLLM_CACHE_ROOT="$WORK/vllm-cache" TORCHINDUCTOR_CACHE_DIR="$WORK/inducto
 # same core (vLLM's CPU build binds each to one core by default).
 cpu_for() { local n; n=$(nproc); echo $(( $1 % n )); }
 
-free_port() { "$PY" -c 'from lmcache_mooncake.procs import free_port; print(free_port())'; }
+free_port() { "$PY" -c 'from lmcache_mooncake.runtime.procs import free_port; print(free_port())'; }
 
 # start NAME CMD...: run CMD in the background, its output in $WORK/NAME.log
 start() {

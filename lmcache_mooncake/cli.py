@@ -30,19 +30,19 @@ Use it in vLLM with:
 COMMANDS: dict[str, tuple[str, str]] = {
     "store": ("lmcache_mooncake.store.cli",
               "start, inspect or stop the embedded Mooncake Store (up | status | down)"),
-    "check-config": ("lmcache_mooncake.check_config", "validate a configuration file and print it resolved"),
-    "explain": ("lmcache_mooncake.explain", "why a prompt misses: its key namespace, chunk keys and the tiers holding them"),
-    "up": ("lmcache_mooncake.stack",
+    "check-config": ("lmcache_mooncake.commands.check_config", "validate a configuration file and print it resolved"),
+    "explain": ("lmcache_mooncake.commands.explain", "why a prompt misses: its key namespace, chunk keys and the tiers holding them"),
+    "up": ("lmcache_mooncake.commands.up",
            "the whole local stack: store, prefill and decode vLLM, proxy (--demo: show it working)"),
-    "proxy": ("lmcache_mooncake.proxy",
+    "proxy": ("lmcache_mooncake.routing.proxy",
               "OpenAI-compatible router: prompt to a prefill instance, then to a decode instance"),
     "warmup": ("lmcache_mooncake.warmup.cli",
                "compute known prompts once and store their KV chunks in the shared store (resumable)"),
-    "serve": ("lmcache_mooncake.serve",
+    "serve": ("lmcache_mooncake.commands.serve",
               "start vLLM's OpenAI server as a prefill, decode or both instance with the connector"),
     "make-model": ("lmcache_mooncake.testing.models", "build a deterministic test model folder (no hub needed)"),
-    "stats": ("lmcache_mooncake.stats_command", "read running instances' /metrics and the store: hits, bytes, failures"),
-    "demo": ("lmcache_mooncake.demo", "run one vLLM instance twice on a generated model and show the cache hits"),
+    "stats": ("lmcache_mooncake.commands.stats", "read running instances' /metrics and the store: hits, bytes, failures"),
+    "demo": ("lmcache_mooncake.commands.demo", "run one vLLM instance twice on a generated model and show the cache hits"),
 }
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from lmcache_mooncake import chunk_format
+from lmcache_mooncake.chunks import chunk_format
 
 ENV_PREFIX = "LMCACHE_MOONCAKE_"
 
@@ -160,12 +160,12 @@ class CacheConfig:
     #: requests keep running while a long prompt's chunks arrive.
     async_loading: bool = True
     #: Worker: seconds between handing freed heap memory back to the OS
-    #: (glibc ``malloc_trim``; see :mod:`lmcache_mooncake.heap`). ``0``: never.
+    #: (glibc ``malloc_trim``; see :mod:`lmcache_mooncake.runtime.heap`). ``0``: never.
     heap_trim_interval: float = 5.0
     #: Worker: blocks of this many bytes or more get their own memory mapping
     #: (glibc ``mallopt(M_MMAP_THRESHOLD)``, e.g. 262144), so they go back to the
     #: OS when freed and resident memory stays flat under load, at about 4% of
-    #: prefill speed; see :mod:`lmcache_mooncake.heap`. ``0`` (default): glibc's
+    #: prefill speed; see :mod:`lmcache_mooncake.runtime.heap`. ``0`` (default): glibc's
     #: own dynamic threshold, as plain vLLM runs.
     heap_mmap_threshold: int = 0
     #: File holding a shared secret (at least 16 bytes, e.g. ``openssl rand -hex 32``):

@@ -35,9 +35,10 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.metadata import LMCacheMetadata
 from lmcache.v1.token_database import TokenDatabase
 
-from lmcache_mooncake import block_chunks, layouts, prefault
+from lmcache_mooncake.chunks.keys import BLOCKS, TOKENS, KeyNamespace, chunk_keys
 from lmcache_mooncake.config import CacheConfig, MooncakeConfig
-from lmcache_mooncake.keys import BLOCKS, TOKENS, KeyNamespace, chunk_keys
+from lmcache_mooncake.kv import block_chunks, layouts
+from lmcache_mooncake.runtime import prefault
 from lmcache_mooncake.store.client import StoreEndpoint
 from lmcache_mooncake.tiers import disk, mooncake
 from lmcache_mooncake.tiers.base import EngineContext, engine_context, release_context

@@ -15,9 +15,11 @@ from pathlib import Path
 
 import torch
 
-from lmcache_mooncake import engine, layouts, namespaces
+from lmcache_mooncake import engine
+from lmcache_mooncake.chunks import namespaces
+from lmcache_mooncake.chunks.keys import KeyNamespace
 from lmcache_mooncake.config import CacheConfig
-from lmcache_mooncake.keys import KeyNamespace
+from lmcache_mooncake.kv import layouts
 
 L, H, D, N, B = 2, 2, 64, 16, 96
 NS = KeyNamespace("m", "float32", L, H, D, 256)
@@ -177,7 +179,7 @@ def check_prefault_makes_the_cpu_pool_resident(tmp_path, kv):
     import psutil
     from lmcache.v1.platform.torch_ops import mem_alloc
 
-    from lmcache_mooncake import prefault
+    from lmcache_mooncake.runtime import prefault
 
     mem_alloc._alloc_page_aligned_pinned_view = _allocate_untouched
     pool_bytes = 256 << 20

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_mooncake import procs
+from lmcache_mooncake.runtime import procs
 
 
 class Server:

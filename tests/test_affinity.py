@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from lmcache_mooncake import affinity
+from lmcache_mooncake.runtime import affinity
 
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from test_layouts import same_bits, same_view, storage_bytes, vllm_kv_caches, whole_block_slots
 
-from lmcache_mooncake import block_chunks, layouts
-from lmcache_mooncake.layouts import CpuAttnLayout, GpuPagedLayout, gather_chunk, scatter_chunk
+from lmcache_mooncake.kv import block_chunks, layouts
+from lmcache_mooncake.kv.layouts import CpuAttnLayout, GpuPagedLayout, gather_chunk, scatter_chunk
 
 L, BLOCKS, H, N, D = 3, 10, 2, 16, 8
 

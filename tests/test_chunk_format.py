@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from lmcache_mooncake.chunk_format import ChunkVerificationError, decode, encode
+from lmcache_mooncake.chunks.chunk_format import ChunkVerificationError, decode, encode
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -41,7 +41,7 @@ def test_chunk_is_a_safetensors_file():
 
 
 def test_decode_into_checks_the_destination_and_damage_there():
-    from lmcache_mooncake.chunk_format import decode_into, encode_header, parse_header, verify
+    from lmcache_mooncake.chunks.chunk_format import decode_into, encode_header, parse_header, verify
 
     t = torch.randn(2, 2, 6, 8)
     data = encode("k", t)
@@ -63,7 +63,7 @@ def test_mac_sealed_chunks_need_the_same_secret():
     import json
     import struct
 
-    from lmcache_mooncake.chunk_format import CHECKSUM_SEAL, mac_seal
+    from lmcache_mooncake.chunks.chunk_format import CHECKSUM_SEAL, mac_seal
 
     t = torch.randn(2, 2, 6, 8)
     a, b = mac_seal(b"secret-a-" * 4), mac_seal(b"secret-b-" * 4)
@@ -94,7 +94,7 @@ def test_mac_sealed_chunks_need_the_same_secret():
 
 
 def test_mac_secret_must_be_long_enough():
-    from lmcache_mooncake.chunk_format import mac_seal
+    from lmcache_mooncake.chunks.chunk_format import mac_seal
 
     with pytest.raises(ValueError, match="at least 16 bytes"):
         mac_seal(b"short")
@@ -105,7 +105,7 @@ def test_mac_secret_must_be_long_enough():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_header_size_is_known_before_the_bytes(seal, shape, dtype):
     """A direct get from the store splits an object into header and payload before it arrives."""
-    from lmcache_mooncake.chunk_format import CHECKSUM_SEAL, encode_header, header_nbytes, mac_seal
+    from lmcache_mooncake.chunks.chunk_format import CHECKSUM_SEAL, encode_header, header_nbytes, mac_seal
 
     s = CHECKSUM_SEAL if seal == "checksum" else mac_seal(b"a-secret-of-enough-bytes")
     key = "ab" * 32 + "@1@0@" + "cd" * 32 + "@float32"
@@ -119,7 +119,7 @@ def test_header_size_is_known_before_the_bytes(seal, shape, dtype):
 def test_a_payload_hashed_in_pieces_checks_as_the_whole_does(seal):
     """What readers that scatter a payload (a disk chunk read straight into paged KV) rely on:
     the streaming hasher over pieces gives the digest the header holds, and a changed piece fails."""
-    from lmcache_mooncake.chunk_format import (
+    from lmcache_mooncake.chunks.chunk_format import (
         CHECKSUM_SEAL,
         check_digest,
         encode_header,

@@ -156,7 +156,7 @@ def test_extra_config_merges_into_the_mooncake_section(tmp_path):
 
 
 def test_chunk_auth_key_file_is_checked_at_load(tmp_path):
-    from lmcache_mooncake.chunk_format import CHECKSUM_SEAL
+    from lmcache_mooncake.chunks.chunk_format import CHECKSUM_SEAL
 
     assert load_config(None, environ={}).seal() is CHECKSUM_SEAL
     missing = tmp_path / "no-such-secret"

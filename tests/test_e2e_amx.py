@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmcache_mooncake import chunk_format, keys
-from lmcache_mooncake.keys import KeyNamespace, chunk_keys
+from lmcache_mooncake.chunks import chunk_format, keys
+from lmcache_mooncake.chunks.keys import KeyNamespace, chunk_keys
 from lmcache_mooncake.testing.offline import RunSpec, run_instance
 
 CHUNK = 256

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_mooncake import namespaces
+from lmcache_mooncake.chunks import namespaces
 from lmcache_mooncake.cli import main
-from lmcache_mooncake.layouts import chunk_layout_for
+from lmcache_mooncake.kv.layouts import chunk_layout_for
 from lmcache_mooncake.store.launcher import StoreSpec, start_store, stop_store
 from lmcache_mooncake.warmup import warmup
 

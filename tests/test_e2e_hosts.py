@@ -17,8 +17,8 @@ import pytest
 import yaml
 from servers import Server, xfail_if_tcp_put_stalled
 
-from lmcache_mooncake.metrics_client import parse
-from lmcache_mooncake.procs import free_port
+from lmcache_mooncake.obs.metrics_client import parse
+from lmcache_mooncake.runtime.procs import free_port
 from lmcache_mooncake.testing import hosts as simhosts
 from lmcache_mooncake.testing.offline import vllm_env
 

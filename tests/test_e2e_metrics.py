@@ -22,12 +22,12 @@ import pytest
 import zmq
 from servers import Server
 
-from lmcache_mooncake import keys
-from lmcache_mooncake.keys import KeyNamespace
-from lmcache_mooncake.metric_names import FAMILIES
-from lmcache_mooncake.metrics_client import fetch
-from lmcache_mooncake.procs import free_port
-from lmcache_mooncake.serve import vllm_command
+from lmcache_mooncake.chunks import keys
+from lmcache_mooncake.chunks.keys import KeyNamespace
+from lmcache_mooncake.commands.serve import vllm_command
+from lmcache_mooncake.obs.metric_names import FAMILIES
+from lmcache_mooncake.obs.metrics_client import fetch
+from lmcache_mooncake.runtime.procs import free_port
 from lmcache_mooncake.testing.offline import vllm_env
 
 pytestmark = pytest.mark.e2e

@@ -19,11 +19,11 @@ import psutil
 import pytest
 from servers import Server, xfail_if_tcp_put_stalled
 
-from lmcache_mooncake import keys
-from lmcache_mooncake.keys import KeyNamespace
-from lmcache_mooncake.metrics_client import fetch
-from lmcache_mooncake.procs import free_port
-from lmcache_mooncake.serve import vllm_command
+from lmcache_mooncake.chunks import keys
+from lmcache_mooncake.chunks.keys import KeyNamespace
+from lmcache_mooncake.commands.serve import vllm_command
+from lmcache_mooncake.obs.metrics_client import fetch
+from lmcache_mooncake.runtime.procs import free_port
 from lmcache_mooncake.store.client import StoreClient
 from lmcache_mooncake.store.launcher import StoreSpec, read_state, start_store, stop_store
 from lmcache_mooncake.testing.offline import vllm_env

@@ -17,8 +17,8 @@ import httpx
 import pytest
 from servers import Server
 
-from lmcache_mooncake.procs import free_port
-from lmcache_mooncake.serve import vllm_command
+from lmcache_mooncake.commands.serve import vllm_command
+from lmcache_mooncake.runtime.procs import free_port
 from lmcache_mooncake.store.launcher import StoreSpec, start_store, stop_store
 from lmcache_mooncake.testing.offline import vllm_env
 

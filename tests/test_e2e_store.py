@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_mooncake import keys
-from lmcache_mooncake.keys import KeyNamespace
-from lmcache_mooncake.metrics_client import read_offline
+from lmcache_mooncake.chunks import keys
+from lmcache_mooncake.chunks.keys import KeyNamespace
+from lmcache_mooncake.obs.metrics_client import read_offline
 from lmcache_mooncake.store.client import StoreClient
 from lmcache_mooncake.store.launcher import StoreSpec, read_state, start_store, stop_store
 from lmcache_mooncake.testing.offline import Instance, RunSpec, run_instance

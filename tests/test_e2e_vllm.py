@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_mooncake import keys
-from lmcache_mooncake.chunk_format import decode
-from lmcache_mooncake.keys import KeyNamespace, chunk_keys
-from lmcache_mooncake.metrics_client import MetricsSnapshot, read_offline
+from lmcache_mooncake.chunks import keys
+from lmcache_mooncake.chunks.chunk_format import decode
+from lmcache_mooncake.chunks.keys import KeyNamespace, chunk_keys
+from lmcache_mooncake.obs.metrics_client import MetricsSnapshot, read_offline
 from lmcache_mooncake.testing.offline import RunSpec, run_instance
 
 CHUNK = 256

@@ -16,11 +16,11 @@ import httpx
 import pytest
 from servers import Server
 
-from lmcache_mooncake import keys
-from lmcache_mooncake.keys import KeyNamespace
-from lmcache_mooncake.metrics_client import fetch
-from lmcache_mooncake.procs import free_port
-from lmcache_mooncake.serve import vllm_command
+from lmcache_mooncake.chunks import keys
+from lmcache_mooncake.chunks.keys import KeyNamespace
+from lmcache_mooncake.commands.serve import vllm_command
+from lmcache_mooncake.obs.metrics_client import fetch
+from lmcache_mooncake.runtime.procs import free_port
 from lmcache_mooncake.store.client import StoreClient
 from lmcache_mooncake.store.launcher import store_status
 from lmcache_mooncake.testing.offline import Instance, RunSpec, vllm_env

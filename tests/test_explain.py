@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_mooncake import keys, namespaces
+from lmcache_mooncake.chunks import keys, namespaces
+from lmcache_mooncake.chunks.keys import KeyNamespace
 from lmcache_mooncake.cli import main
-from lmcache_mooncake.explain import DiskView, explain
-from lmcache_mooncake.keys import KeyNamespace
-from lmcache_mooncake.layouts import chunk_layout_for
+from lmcache_mooncake.commands.explain import DiskView, explain
+from lmcache_mooncake.kv.layouts import chunk_layout_for
 
 REPO = Path(__file__).resolve().parent.parent
 NS = KeyNamespace(model="m", kv_dtype="float32", num_layers=4, num_kv_heads=2, head_size=64, chunk_size=256)
@@ -212,7 +212,7 @@ class _Client:
 
 
 def test_store_view_reads_the_manifests_the_master_lists():
-    from lmcache_mooncake.explain import StoreView
+    from lmcache_mooncake.commands.explain import StoreView
 
     first = keys.chunk_keys(BF16, TOKENS)[0]
     damaged = KeyNamespace(**{**NS.__dict__, "chunk_size": 512})
@@ -234,7 +234,7 @@ def test_store_view_reads_the_manifests_the_master_lists():
 
 
 def test_store_view_without_the_admin_server_says_how_to_give_it():
-    from lmcache_mooncake.explain import StoreView
+    from lmcache_mooncake.commands.explain import StoreView
 
     found, problems = StoreView(_Client({}), "http://127.0.0.1:9", "test store").manifests()
     assert found == [] and "--master-http" in problems[0]

@@ -8,7 +8,7 @@ import time
 import psutil
 import pytest
 
-from lmcache_mooncake.heap import HeapTrimmer, trim_due
+from lmcache_mooncake.runtime.heap import HeapTrimmer, trim_due
 
 MiB = 1 << 20
 
@@ -82,7 +82,7 @@ def test_the_trimmer_waits_while_steps_run_and_trims_once_idle():
 # Run in a child: the threshold is process-wide, and the trim test above needs glibc's dynamic one.
 _CHILD = """
 import gc, sys, psutil
-from lmcache_mooncake.heap import fix_mmap_threshold
+from lmcache_mooncake.runtime.heap import fix_mmap_threshold
 fixed = fix_mmap_threshold(int(sys.argv[1]))
 big = bytearray(2 << 20)
 del big  # without a fixed threshold this raises glibc's past 1 MiB: the blocks below come from the heap

@@ -3,13 +3,13 @@
 import subprocess
 import sys
 
-from lmcache_mooncake.keys import KeyNamespace, chunk_keys
+from lmcache_mooncake.chunks.keys import KeyNamespace, chunk_keys
 
 NS = KeyNamespace(model="m", kv_dtype="bfloat16", num_layers=4, num_kv_heads=2, head_size=64, chunk_size=256)
 TOKENS = list(range(1000, 1000 + 700))
 
 _SCRIPT = """
-from lmcache_mooncake.keys import KeyNamespace, chunk_keys
+from lmcache_mooncake.chunks.keys import KeyNamespace, chunk_keys
 ns = KeyNamespace(model="m", kv_dtype="bfloat16", num_layers=4, num_kv_heads=2, head_size=64, chunk_size=256)
 print(",".join(k.hex for k in chunk_keys(ns, list(range(1000, 1700)), "s")))
 """
@@ -58,7 +58,7 @@ def test_namespace_salt_and_lora_separate_keys():
 
 def test_names_use_the_full_width_key_and_namespace():
     """Two chunk keys that agree in their first 64 bits are different objects and files."""
-    from lmcache_mooncake.keys import ChunkKey, file_name, object_name
+    from lmcache_mooncake.chunks.keys import ChunkKey, file_name, object_name
 
     a = ChunkKey(bytes(8) + b"\x01" * 24, 0, 256)
     b = ChunkKey(bytes(8) + b"\x02" * 24, 0, 256)
@@ -78,7 +78,7 @@ def test_names_use_the_full_width_key_and_namespace():
 def test_names_refuse_what_is_not_a_key():
     import pytest
 
-    from lmcache_mooncake.keys import chunk_name
+    from lmcache_mooncake.chunks.keys import chunk_name
 
     for ns, key in (("../etc", bytes(32)), (NS.hex()[:16], bytes(32)), (NS, b"short"), (NS, -1), (NS, 2**256)):
         with pytest.raises(ValueError):
@@ -90,7 +90,7 @@ def test_token_major_namespaces_keep_their_digest_and_a_bad_chunk_layout_is_refu
     still hit. The digest below is that of NS before the field was added."""
     import pytest
 
-    from lmcache_mooncake.keys import namespace_for
+    from lmcache_mooncake.chunks.keys import namespace_for
 
     assert NS.hex() == "3de03f784f9be0cef40a0ad3926d4599e0f8816cd1bbdd69e94805c79e6d0b49"
     with pytest.raises(ValueError, match="chunk_layout 'pages'"):

@@ -31,8 +31,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lmcache_mooncake import layouts
-from lmcache_mooncake.layouts import (
+from lmcache_mooncake.kv import layouts
+from lmcache_mooncake.kv.layouts import (
     GPU_BACKENDS,
     SUPPORTED_BACKENDS,
     CpuAttnLayout,

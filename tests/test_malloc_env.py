@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from lmcache_mooncake import malloc_env as me
+from lmcache_mooncake.runtime import malloc_env as me
 from lmcache_mooncake.testing.offline import vllm_env
 
 glibc = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",

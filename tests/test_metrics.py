@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from lmcache_mooncake.kv_events import ChunkEvents, KVEventLog
-from lmcache_mooncake.metric_names import FAMILIES, ROUTES
-from lmcache_mooncake.metrics import LMCacheMooncakePromMetrics, LMCacheMooncakeStats
-from lmcache_mooncake.metrics_client import MetricsSnapshot, parse, read_offline
-from lmcache_mooncake.stats import Stats
+from lmcache_mooncake.obs.kv_events import ChunkEvents, KVEventLog
+from lmcache_mooncake.obs.metric_names import FAMILIES, ROUTES
+from lmcache_mooncake.obs.metrics import LMCacheMooncakePromMetrics, LMCacheMooncakeStats
+from lmcache_mooncake.obs.metrics_client import MetricsSnapshot, parse, read_offline
+from lmcache_mooncake.obs.stats import Stats
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
 
@@ -173,7 +173,7 @@ def instance():
 
 
 def test_stats_report_and_table(instance):
-    from lmcache_mooncake.stats_command import render, report
+    from lmcache_mooncake.commands.stats import render, report
 
     rep = report([instance, "http://127.0.0.1:9"], None, read_store=False, timeout_s=2)
     r = rep["instances"][instance + "/metrics"]
@@ -188,7 +188,7 @@ def test_stats_report_and_table(instance):
 
 
 def test_up_demo_names_the_tier_that_served():
-    from lmcache_mooncake.stack import _tier
+    from lmcache_mooncake.commands.up import _tier
 
     zero = parse(METRICS_TEXT.replace(" 6\n", " 0\n").replace(" 1500\n", " 0\n"))
     full = parse(METRICS_TEXT)

@@ -5,8 +5,8 @@ import logging
 
 import pytest
 
-from lmcache_mooncake import namespaces
-from lmcache_mooncake.keys import KeyNamespace, object_name
+from lmcache_mooncake.chunks import namespaces
+from lmcache_mooncake.chunks.keys import KeyNamespace, object_name
 
 NS = KeyNamespace(model="m", kv_dtype="float32", num_layers=4, num_kv_heads=2, head_size=64, chunk_size=256)
 BF16 = KeyNamespace(**{**NS.__dict__, "kv_dtype": "bfloat16"})

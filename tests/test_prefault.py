@@ -7,7 +7,7 @@ import psutil
 import pytest
 import torch
 
-from lmcache_mooncake.prefault import PAGE, touch_pages
+from lmcache_mooncake.runtime.prefault import PAGE, touch_pages
 
 MiB = 1 << 20
 

@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from lmcache_mooncake import procs
+from lmcache_mooncake.runtime import procs
 
 
 def test_spawn_logs_and_stop_group_takes_the_grandchildren(tmp_path):

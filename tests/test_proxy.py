@@ -1,4 +1,4 @@
-"""The prefill/decode proxy (lmcache_mooncake.proxy) against fake OpenAI upstreams.
+"""The prefill/decode proxy (lmcache_mooncake.routing.proxy) against fake OpenAI upstreams.
 
 The upstreams here are small FastAPI apps served by uvicorn on 127.0.0.1: they record what
 they were sent and can fail in ways a real vLLM cannot be made to (HTTP 500, a connection
@@ -25,12 +25,12 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from lmcache_mooncake import keys
-from lmcache_mooncake.proxy import ProxyConfig, build_app, main_proxy, normalize_url
+from lmcache_mooncake.chunks import keys
 from lmcache_mooncake.routing.intake import IntakeLimits
 from lmcache_mooncake.routing.placement import RendezvousPlacement
 from lmcache_mooncake.routing.pool import HealthPolicy
 from lmcache_mooncake.routing.prompt_keys import PromptKeys
+from lmcache_mooncake.routing.proxy import ProxyConfig, build_app, main_proxy, normalize_url
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -690,7 +690,7 @@ def test_cli_serves_and_logs(serve):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = ("import sys; from lmcache_mooncake.proxy import main_proxy; "
+    code = ("import sys; from lmcache_mooncake.routing.proxy import main_proxy; "
             "sys.exit(main_proxy(sys.argv[1:]))")
     proc = subprocess.Popen(
         [sys.executable, "-c", code, "--prefill", p_url, "--decode", d_url, "--port", str(port)],

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from lmcache_mooncake.stats import Stats
+from lmcache_mooncake.obs.stats import Stats
 from lmcache_mooncake.tiers.quarantine import Quarantine
 
 

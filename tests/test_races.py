@@ -33,7 +33,7 @@ CHILD = r"""
 import sys, time
 from pathlib import Path
 import torch
-from lmcache_mooncake import chunk_format
+from lmcache_mooncake.chunks import chunk_format
 
 role, kind, where, go = sys.argv[1], sys.argv[2], sys.argv[3], Path(sys.argv[4])
 L, H, D, T, KEYS, ROUNDS = %(dims)s

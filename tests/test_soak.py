@@ -34,9 +34,9 @@ import psutil
 import pytest
 from servers import Server
 
-from lmcache_mooncake.procs import free_port
-from lmcache_mooncake.serve import vllm_command
-from lmcache_mooncake.stats import read_dumps
+from lmcache_mooncake.commands.serve import vllm_command
+from lmcache_mooncake.obs.stats import read_dumps
+from lmcache_mooncake.runtime.procs import free_port
 from lmcache_mooncake.store.launcher import StoreSpec, read_state, start_store, stop_store
 from lmcache_mooncake.testing.models import ModelSpec, build_model
 from lmcache_mooncake.testing.offline import RunSpec, run_instance, vllm_env

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lmcache_mooncake.cli import main
-from lmcache_mooncake.stack import _vllm_dtype, core_sets
+from lmcache_mooncake.commands.up import _vllm_dtype, core_sets
 
 
 def test_core_sets_are_disjoint_when_there_are_enough_cores():

@@ -24,9 +24,11 @@ pytestmark = pytest.mark.skipif(
 CHILD = r"""
 import os, signal, sys, time
 import torch
-from lmcache_mooncake import chunk_format, engine, layouts
+from lmcache_mooncake import engine
+from lmcache_mooncake.chunks import chunk_format
+from lmcache_mooncake.kv import layouts
 from lmcache_mooncake.config import CacheConfig, MooncakeConfig
-from lmcache_mooncake.keys import KeyNamespace
+from lmcache_mooncake.chunks.keys import KeyNamespace
 from lmcache_mooncake.store.launcher import read_state
 
 check, sd = sys.argv[1], sys.argv[2]

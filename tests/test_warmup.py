@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lmcache_mooncake.chunks.keys import KeyNamespace, chunk_keys
 from lmcache_mooncake.config import load_config
-from lmcache_mooncake.keys import KeyNamespace, chunk_keys
 from lmcache_mooncake.store.client import StoreClient
 from lmcache_mooncake.store.launcher import StoreSpec, start_store, stop_store
 from lmcache_mooncake.warmup import (
@@ -302,9 +302,9 @@ def _worker_namespace(monkeypatch, tmp_path, s: dict, tp_rank: int) -> KeyNamesp
     """The namespace the connector's worker builds from its KV tensors, with the engine stubbed out."""
     import torch
 
+    from lmcache_mooncake.chunks.keys import model_identity
     from lmcache_mooncake.config import CacheConfig
     from lmcache_mooncake.connector import worker
-    from lmcache_mooncake.keys import model_identity
 
     monkeypatch.setattr(worker, "build_engine", lambda *a, **k: None)
     monkeypatch.setattr(worker, "LookupServer", lambda *a, **k: None)
@@ -326,7 +326,7 @@ def test_warmup_names_equal_the_workers_names(monkeypatch, tmp_path, s, data):
     """Warm-up's namespace and object names are the worker's, for every shape, dtype, chunk size and
     tensor parallel rank: keys.namespace_for + keys.object_names, and the worker's own path from its
     KV tensors."""
-    from lmcache_mooncake import keys
+    from lmcache_mooncake.chunks import keys
     from lmcache_mooncake.config import CacheConfig
     from lmcache_mooncake.warmup import ModelInfo
 

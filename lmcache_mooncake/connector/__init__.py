@@ -30,16 +30,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from lmcache_mooncake import layouts
+from lmcache_mooncake.chunks.keys import model_identity
 from lmcache_mooncake.config import config_from_extra
 from lmcache_mooncake.connector.lookup import LookupClient, lookup_socket_path
 from lmcache_mooncake.connector.metadata import StepMetadata
 from lmcache_mooncake.connector.scheduler import SchedulerSide
 from lmcache_mooncake.connector.worker import WorkerSide
-from lmcache_mooncake.keys import model_identity
-from lmcache_mooncake.kv_events import ChunkEvents
-from lmcache_mooncake.logs import setup_logging
-from lmcache_mooncake.metrics import LMCacheMooncakePromMetrics, LMCacheMooncakeStats
+from lmcache_mooncake.kv import layouts
+from lmcache_mooncake.obs.kv_events import ChunkEvents
+from lmcache_mooncake.obs.logs import setup_logging
+from lmcache_mooncake.obs.metrics import LMCacheMooncakePromMetrics, LMCacheMooncakeStats
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -214,7 +214,7 @@ class LMCacheMooncakeConnector(KVConnectorBase_V1):
 
     def get_kv_connector_kv_cache_events(self) -> ChunkEvents | None:
         """Worker, after every step: chunks stored and removed since the last call, as vLLM
-        KV events (:mod:`lmcache_mooncake.kv_events`); None when there are none."""
+        KV events (:mod:`lmcache_mooncake.obs.kv_events`); None when there are none."""
         events = self._worker.take_events() if self._worker is not None else []
         return ChunkEvents(events) if events else None
 

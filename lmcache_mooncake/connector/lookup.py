@@ -35,7 +35,7 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from lmcache_mooncake import affinity
+from lmcache_mooncake.runtime import affinity
 
 logger = logging.getLogger(__name__)
 

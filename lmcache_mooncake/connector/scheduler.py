@@ -21,7 +21,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from lmcache_mooncake.config import CacheConfig
 from lmcache_mooncake.connector.lookup import LookupClient
 from lmcache_mooncake.connector.metadata import LoadOp, SaveOp, StepMetadata, slots_for
-from lmcache_mooncake.stats import Stats
+from lmcache_mooncake.obs.stats import Stats
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from lmcache_mooncake import affinity, layouts
+from lmcache_mooncake.chunks.keys import KeyNamespace, namespace_for
 from lmcache_mooncake.config import CacheConfig
 from lmcache_mooncake.connector.direct import ENGINE, DirectLoader
 from lmcache_mooncake.connector.lookup import LookupReply, LookupServer
@@ -28,10 +28,11 @@ from lmcache_mooncake.engine import (
     request_configs,
     write_barrier,
 )
-from lmcache_mooncake.heap import HeapTrimmer, fix_mmap_threshold
-from lmcache_mooncake.keys import KeyNamespace, namespace_for
-from lmcache_mooncake.kv_events import KVEventLog
-from lmcache_mooncake.stats import Stats
+from lmcache_mooncake.kv import layouts
+from lmcache_mooncake.obs.kv_events import KVEventLog
+from lmcache_mooncake.obs.stats import Stats
+from lmcache_mooncake.runtime import affinity
+from lmcache_mooncake.runtime.heap import HeapTrimmer, fix_mmap_threshold
 
 logger = logging.getLogger(__name__)
 
@@ -268,7 +269,7 @@ class WorkerSide:
         self.stats.observe("save_s", time.perf_counter() - t0)
 
     def _publish_stored(self, op: SaveOp, tokens: torch.Tensor, chunks: list, rc: dict | None) -> None:
-        """One BlockStored event for the chunks of ``op`` (see :mod:`lmcache_mooncake.kv_events`)."""
+        """One BlockStored event for the chunks of ``op`` (see :mod:`lmcache_mooncake.obs.kv_events`)."""
         first = chunks[0][0]
         parent = None
         if first > 0:

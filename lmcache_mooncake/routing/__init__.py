@@ -10,6 +10,6 @@
   prompt: rendezvous hashing of its first chunk key, or round-robin, with a
   load bound.
 - :mod:`~lmcache_mooncake.routing.prompt_keys`: a prompt's chunk keys as the
-  connector's worker names them (vLLM's renderer and :mod:`lmcache_mooncake.keys`),
+  connector's worker names them (vLLM's renderer and :mod:`lmcache_mooncake.chunks.keys`),
   and how many of its tokens the store already holds.
 """

@@ -1,7 +1,7 @@
 """Which instance of a role should serve a request.
 
 A :class:`Placement` ranks instances for a prompt given its chunk keys (the
-digests :func:`lmcache_mooncake.keys.chunk_keys` gives, in order; empty when
+digests :func:`lmcache_mooncake.chunks.keys.chunk_keys` gives, in order; empty when
 the proxy could not tokenize the request). :func:`choose` then applies health
 and the load bound. Two placements exist:
 

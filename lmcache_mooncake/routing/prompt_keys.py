@@ -4,8 +4,8 @@ Token ids come from vLLM's own renderer
 (:class:`lmcache_mooncake.warmup.rendering.PromptRenderer`, what vLLM's
 OpenAI server runs), the namespace from
 :func:`lmcache_mooncake.warmup.planning.key_namespace` (which hands the
-model's shape to :func:`lmcache_mooncake.keys.namespace_for`, as the worker
-does) and the keys from :func:`lmcache_mooncake.keys.chunk_keys`. So the
+model's shape to :func:`lmcache_mooncake.chunks.keys.namespace_for`, as the worker
+does) and the keys from :func:`lmcache_mooncake.chunks.keys.chunk_keys`. So the
 proxy's routing and store checks and the workers' caching cannot disagree on a
 name, as long as the proxy is given the model, ``--dtype`` and cache
 configuration the instances run with.
@@ -21,13 +21,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lmcache_mooncake import keys
+from lmcache_mooncake.chunks import keys
 
 if TYPE_CHECKING:
     from lmcache_mooncake.config import CacheConfig
     from lmcache_mooncake.store.client import StoreClient
 
-logger = logging.getLogger("lmcache_mooncake.proxy")
+logger = logging.getLogger("lmcache_mooncake.routing.proxy")
 
 
 @dataclass(frozen=True)

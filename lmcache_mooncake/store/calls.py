@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from lmcache_mooncake import affinity
+from lmcache_mooncake.runtime import affinity
 from lmcache_mooncake.store import stalls
 
 log = logging.getLogger(__name__)

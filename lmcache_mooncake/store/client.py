@@ -77,7 +77,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmcache_mooncake.procs import can_connect
+from lmcache_mooncake.runtime.procs import can_connect
 from lmcache_mooncake.store.binaries import missing_library_hint
 from lmcache_mooncake.store.calls import _ABANDONED, _Job, _Sized, _Worker
 from lmcache_mooncake.store.codes import (  # noqa: F401 - the client's return codes, re-exported

@@ -16,7 +16,7 @@ state folder) so that they outlive the command that started them:
 
 What is started and recorded is in :mod:`lmcache_mooncake.store.state`, the
 binaries in :mod:`lmcache_mooncake.store.binaries`, process and port helpers
-in :mod:`lmcache_mooncake.procs`.
+in :mod:`lmcache_mooncake.runtime.procs`.
 
 A JSON state file (``store.json``) in the state folder records pids, ports,
 command lines, log paths and the start time; :func:`store_status` and
@@ -49,8 +49,8 @@ from typing import Any
 
 import psutil
 
-from lmcache_mooncake import procs
-from lmcache_mooncake.procs import format_bytes, free_port, port_in_use, tail_log
+from lmcache_mooncake.runtime import procs
+from lmcache_mooncake.runtime.procs import format_bytes, free_port, port_in_use, tail_log
 from lmcache_mooncake.store.binaries import check_shared_libraries, find_binaries, missing_library_hint
 from lmcache_mooncake.store.errors import StoreError
 from lmcache_mooncake.store.state import (

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lmcache_mooncake import procs
+from lmcache_mooncake.runtime import procs
 
 #: Runs one HTTP request inside a namespace and prints status and body as JSON.
 _HTTP_CLIENT = """

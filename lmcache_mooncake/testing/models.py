@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from lmcache_mooncake.procs import file_lock
+from lmcache_mooncake.runtime.procs import file_lock
 
 __all__ = [
     "ARCHS",

@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmcache_mooncake import procs
-from lmcache_mooncake.malloc_env import malloc_env
+from lmcache_mooncake.runtime import procs
+from lmcache_mooncake.runtime.malloc_env import malloc_env
 
 
 @dataclass
@@ -73,7 +73,7 @@ class RunSpec:
 
 def vllm_env(work_dir: Path, extra: dict[str, str] | None = None, kv_cache_gib: int = 1) -> dict[str, str]:
     """Environment for a vLLM child: offline, quiet, per-run caches (no collisions), and glibc
-    malloc kept from re-faulting activations every step (:mod:`lmcache_mooncake.malloc_env`)."""
+    malloc kept from re-faulting activations every step (:mod:`lmcache_mooncake.runtime.malloc_env`)."""
     env = dict(os.environ)
     for d in ("cache", "inductor", "tmp"):
         (work_dir / d).mkdir(parents=True, exist_ok=True)
@@ -227,7 +227,7 @@ def _let_vllm_scan_llvmlite() -> None:
 def _child(work_dir: str) -> None:
     from vllm import LLM, SamplingParams
 
-    from lmcache_mooncake.serve import connector_config
+    from lmcache_mooncake.commands.serve import connector_config
 
     work = Path(work_dir)
     spec = RunSpec(**json.loads((work / "spec.json").read_text()))

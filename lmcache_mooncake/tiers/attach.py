@@ -31,8 +31,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from lmcache_mooncake import affinity
 from lmcache_mooncake.config import MooncakeConfig
+from lmcache_mooncake.runtime import affinity
 from lmcache_mooncake.store.client import StoreClient, StoreEndpoint
 from lmcache_mooncake.store.errors import StoreError
 

@@ -9,7 +9,7 @@ being written (each chunk is hashed once however many tiers it goes to).
 Two engines in one process (tests, warm-up) never mix their figures.
 
 :class:`VerifiedTier` is LMCache's ``RemoteConnector`` contract written once
-for tiers whose objects are verified chunks (:mod:`lmcache_mooncake.chunk_format`):
+for tiers whose objects are verified chunks (:mod:`lmcache_mooncake.chunks.chunk_format`):
 
 - lookups: :meth:`batched_contains` returns the length of the prefix of keys
   the tier holds (LMCache asks synchronously, ``use_exists_sync``);
@@ -37,11 +37,11 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-from lmcache_mooncake import chunk_format
-from lmcache_mooncake.keys import KeyNamespace
-from lmcache_mooncake.kv_events import KVEventLog
-from lmcache_mooncake.namespaces import ManifestRecorder
-from lmcache_mooncake.stats import Stats
+from lmcache_mooncake.chunks import chunk_format
+from lmcache_mooncake.chunks.keys import KeyNamespace
+from lmcache_mooncake.chunks.namespaces import ManifestRecorder
+from lmcache_mooncake.obs.kv_events import KVEventLog
+from lmcache_mooncake.obs.stats import Stats
 from lmcache_mooncake.tiers.writes import WriteTracker
 
 logger = logging.getLogger(__name__)
@@ -170,7 +170,7 @@ class VerifiedTier(RemoteConnector):
         raise NotImplementedError
 
     def _record_manifest(self, namespace: KeyNamespace) -> bool | None:
-        """Record ``namespace``'s manifest in this tier (:mod:`lmcache_mooncake.namespaces`); False: not stored."""
+        """Record ``namespace``'s manifest in this tier (:mod:`lmcache_mooncake.chunks.namespaces`); False: not stored."""
 
     def _put_recorded(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
         self._manifest.record(self.ctx.namespace, self._record_manifest)

@@ -6,7 +6,7 @@ index: a chunk's file name is derived from its key (:func:`keys.file_name`),
 so "is it there?" is a ``stat``. It is loaded through LMCache's remote-storage
 plug-in mechanism, so LMCache's engine treats it as the tier after its CPU tier.
 
-Every file is a verified chunk (:mod:`lmcache_mooncake.chunk_format`); a file
+Every file is a verified chunk (:mod:`lmcache_mooncake.chunks.chunk_format`); a file
 that fails its check is a miss, is counted, logged and removed. Reads go
 straight into LMCache's buffer (``readinto``) and are checked there: one copy.
 With ``verify_on_lookup`` a lookup reads and checks each chunk it has not
@@ -40,7 +40,8 @@ import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 
-from lmcache_mooncake import affinity, chunk_format, keys, namespaces
+from lmcache_mooncake.chunks import chunk_format, keys, namespaces
+from lmcache_mooncake.runtime import affinity
 from lmcache_mooncake.tiers.base import VerifiedTier
 
 logger = logging.getLogger(__name__)

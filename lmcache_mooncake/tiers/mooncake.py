@@ -21,7 +21,7 @@ logged and removed from the store (so a good copy can take its place).
 Writes send the chunk's header and its payload as they lie (no encoded
 copy); the header is hashed once for all tiers.
 
-Object names come from :func:`lmcache_mooncake.keys.object_name` (full-width
+Object names come from :func:`lmcache_mooncake.chunks.keys.object_name` (full-width
 namespace digest and chunk key), built from validated key fields only.
 """
 
@@ -36,7 +36,7 @@ import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 
-from lmcache_mooncake import chunk_format, keys, namespaces
+from lmcache_mooncake.chunks import chunk_format, keys, namespaces
 from lmcache_mooncake.config import MooncakeConfig
 from lmcache_mooncake.store.client import (
     ERR_BAD_BUFFER,

@@ -22,8 +22,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from lmcache_mooncake.procs import format_bytes
-from lmcache_mooncake.stats import Stats
+from lmcache_mooncake.obs.stats import Stats
+from lmcache_mooncake.runtime.procs import format_bytes
 
 logger = logging.getLogger(__name__)
 

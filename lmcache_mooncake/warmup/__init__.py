@@ -43,7 +43,7 @@ The package, one module per job:
 - :mod:`~lmcache_mooncake.warmup.inputs`: reading inputs, naming bad ones;
 - :mod:`~lmcache_mooncake.warmup.rendering`: vLLM's own prompt rendering;
 - :mod:`~lmcache_mooncake.warmup.planning`: object names (from
-  :mod:`lmcache_mooncake.keys`) and which chunks the store lacks;
+  :mod:`lmcache_mooncake.chunks.keys`) and which chunks the store lacks;
 - :mod:`~lmcache_mooncake.warmup.producer`: the vLLM producer and the
   durability check;
 - :mod:`~lmcache_mooncake.warmup.run`: :func:`warmup`, which runs them in order;

@@ -1,9 +1,9 @@
-"""Which chunks a warm-up must write: names from :mod:`lmcache_mooncake.keys`, presence from the store.
+"""Which chunks a warm-up must write: names from :mod:`lmcache_mooncake.chunks.keys`, presence from the store.
 
 Names are never derived here: :func:`key_namespace` hands the model's shape to
-:func:`lmcache_mooncake.keys.namespace_for`, the function the connector's
+:func:`lmcache_mooncake.chunks.keys.namespace_for`, the function the connector's
 worker calls with the shape of its KV tensors, and :func:`object_names` is
-:func:`lmcache_mooncake.keys.object_names`, the names the Mooncake tier uses.
+:func:`lmcache_mooncake.chunks.keys.object_names`, the names the Mooncake tier uses.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from lmcache_mooncake.warmup.rendering import ModelInfo
 from lmcache_mooncake.warmup.summary import WarmupError, WarmupInput, WarmupSummary
 
 if TYPE_CHECKING:
+    from lmcache_mooncake.chunks.keys import KeyNamespace
     from lmcache_mooncake.config import CacheConfig
-    from lmcache_mooncake.keys import KeyNamespace
     from lmcache_mooncake.store.client import StoreClient
 
 #: Names per ``batch_exists`` call.
@@ -44,8 +44,8 @@ def key_namespace(info: ModelInfo, cfg: CacheConfig, model_id: str | None = None
     one, as vLLM splits them). The warm-up command itself runs its producer
     with tensor parallel size 1, so it writes and checks the TP 1 namespace.
     """
-    from lmcache_mooncake.keys import model_identity, namespace_for
-    from lmcache_mooncake.layouts import chunk_layout_for
+    from lmcache_mooncake.chunks.keys import model_identity, namespace_for
+    from lmcache_mooncake.kv.layouts import chunk_layout_for
 
     return namespace_for(
         model_identity(model_id or cfg.model_id, info.served_model_name),
@@ -58,7 +58,7 @@ def key_namespace(info: ModelInfo, cfg: CacheConfig, model_id: str | None = None
 def object_names(namespace: KeyNamespace, tokens: Sequence[int], cache_salt: str | None = None,
                  include_partial: bool = True) -> list[str]:
     """Store object names of the chunks of ``tokens``, as the Mooncake tier names them."""
-    from lmcache_mooncake import keys
+    from lmcache_mooncake.chunks import keys
 
     return keys.object_names(namespace, tokens, cache_salt, include_partial=include_partial)
 

@@ -71,7 +71,7 @@ def produce(summary: WarmupSummary, pending: list[WarmupInput], client: StoreCli
     """
     from tqdm import tqdm
 
-    from lmcache_mooncake.metrics_client import MetricsSnapshot, read_offline
+    from lmcache_mooncake.obs.metrics_client import MetricsSnapshot, read_offline
     from lmcache_mooncake.testing.offline import Instance, RunSpec
 
     work, info = settings.work, settings.info

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmcache_mooncake.procs import format_bytes
+from lmcache_mooncake.runtime.procs import format_bytes
 
 
 class WarmupError(RuntimeError):

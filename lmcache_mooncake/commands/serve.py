@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lmcache_mooncake.malloc_env import OPT_OUT, malloc_env
+from lmcache_mooncake.runtime.malloc_env import OPT_OUT, malloc_env
 
 ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 

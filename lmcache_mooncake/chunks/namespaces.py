@@ -1,6 +1,6 @@
 """Namespace manifests: which fields made a namespace digest, recorded beside its chunks.
 
-A namespace (:class:`lmcache_mooncake.keys.KeyNamespace`) enters every file
+A namespace (:class:`lmcache_mooncake.chunks.keys.KeyNamespace`) enters every file
 and object name only as a SHA-256 digest, so a stored chunk does not say which
 model, KV dtype or shape made it. The first time a tier writes into a
 namespace it records a small manifest beside the chunks:
@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from lmcache_mooncake.keys import OBJECT_PREFIX, KeyNamespace
+from lmcache_mooncake.chunks.keys import OBJECT_PREFIX, KeyNamespace
 
 logger = logging.getLogger(__name__)
 

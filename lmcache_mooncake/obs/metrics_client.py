@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from lmcache_mooncake.metric_names import samples_from_counters
+from lmcache_mooncake.obs.metric_names import samples_from_counters
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -94,6 +94,6 @@ def fetch_all(urls: Iterable[str], timeout_s: float = 5.0) -> MetricsSnapshot:
 def read_offline(run_dir: str | os.PathLike[str]) -> MetricsSnapshot:
     """The counters an offline run (vLLM's ``LLM``, no ``/metrics``) left in ``run_dir``, under the
     same names ``/metrics`` uses (counters only, no timings)."""
-    from lmcache_mooncake.stats import read_dumps
+    from lmcache_mooncake.obs.stats import read_dumps
 
     return MetricsSnapshot(samples_from_counters(read_dumps(run_dir)))

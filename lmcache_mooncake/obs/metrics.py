@@ -3,7 +3,7 @@
 How the figures travel (vLLM 0.32, three processes):
 
 - the worker process (engine, tiers) and the EngineCore process (scheduler
-  side) each own a :class:`~lmcache_mooncake.stats.Stats`; after every step
+  side) each own a :class:`~lmcache_mooncake.obs.stats.Stats`; after every step
   vLLM calls ``get_kv_connector_stats`` on both, and we hand over
   :meth:`Stats.take` (what changed since the last call) wrapped in
   :class:`LMCacheMooncakeStats`;
@@ -14,7 +14,7 @@ How the figures travel (vLLM 0.32, three processes):
   :meth:`LMCacheMooncakePromMetrics.observe`, which adds the increases to the
   Prometheus metrics of :data:`FAMILIES` on ``/metrics``.
 
-The names are in :mod:`lmcache_mooncake.metric_names`.
+The names are in :mod:`lmcache_mooncake.obs.metric_names`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from lmcache_mooncake.metric_names import FAMILIES, ROUTES, SECONDS_BUCKETS
+from lmcache_mooncake.obs.metric_names import FAMILIES, ROUTES, SECONDS_BUCKETS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -4,14 +4,14 @@ A :class:`Stats` is owned by the object whose work it counts (an engine's
 :class:`~lmcache_mooncake.tiers.base.EngineContext`, the scheduler side). Its
 figures leave the process through vLLM's connector stats hook:
 :meth:`Stats.take` returns what changed since the last take, which the
-connector hands to vLLM (:mod:`lmcache_mooncake.metrics` turns it into
+connector hands to vLLM (:mod:`lmcache_mooncake.obs.metrics` turns it into
 Prometheus metrics and vLLM's periodic log line).
 
 Offline runs (vLLM's ``LLM`` in a child process, used by warm-up and some
 tests) have no ``/metrics`` endpoint, and writes that end after a run's last
 step never reach vLLM's stats; for them alone the worker also writes its
 cumulative counters to ``<run_dir>/stats-<side>.json`` (:meth:`Stats.dump`),
-read back as metrics by :func:`lmcache_mooncake.metrics.read_offline_metrics`.
+read back as metrics by :func:`lmcache_mooncake.obs.metrics.read_offline_metrics`.
 """
 
 from __future__ import annotations

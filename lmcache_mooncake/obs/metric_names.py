@@ -21,7 +21,7 @@ SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 class Family:
     """One Prometheus metric and the internal counters (or sample names) that feed it.
 
-    ``sources`` maps a :class:`~lmcache_mooncake.stats.Stats` name to the value
+    ``sources`` maps a :class:`~lmcache_mooncake.obs.stats.Stats` name to the value
     of ``label`` it is reported under ("" when the family has no extra label).
     Counters appear on ``/metrics`` as ``<name>_total``.
     """

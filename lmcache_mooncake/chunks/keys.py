@@ -38,7 +38,7 @@ FORMAT_TAG = b"lmcache-mooncake/keys/v1"
 
 
 #: Chunk layouts (:attr:`KeyNamespace.chunk_layout`): token-major ``[2, L, T, H * D]``, or the
-#: paged blocks' own bytes (:mod:`lmcache_mooncake.block_chunks`). The one place these names live.
+#: paged blocks' own bytes (:mod:`lmcache_mooncake.kv.block_chunks`). The one place these names live.
 TOKENS = "tokens"
 BLOCKS = "blocks"
 CHUNK_LAYOUTS = (TOKENS, BLOCKS)
@@ -59,7 +59,7 @@ class KeyNamespace:
     pp_size: int = 1
     pp_rank: int = 0
     #: How a chunk keeps its bytes: ``"tokens"`` (token-major) or ``"blocks"`` (the paged
-    #: blocks' own layout, :mod:`lmcache_mooncake.block_chunks`); see ``PagedLayout.chunk_layout``.
+    #: blocks' own layout, :mod:`lmcache_mooncake.kv.block_chunks`); see ``PagedLayout.chunk_layout``.
     chunk_layout: str = TOKENS
 
     def digest(self) -> bytes:

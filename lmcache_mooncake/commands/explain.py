@@ -4,13 +4,13 @@ are stored and which field differs.
 
 Nothing here derives names on its own: the namespace is
 :func:`lmcache_mooncake.warmup.planning.key_namespace` (the function warm-up uses, which
-calls :func:`lmcache_mooncake.keys.namespace_for` as the connector's worker does), the
+calls :func:`lmcache_mooncake.chunks.keys.namespace_for` as the connector's worker does), the
 model's dtype, layers and heads come from vLLM's own model configuration
 (:class:`~lmcache_mooncake.warmup.rendering.PromptRenderer`, which resolves ``--dtype auto``
 as the server does), prompts are tokenized as vLLM's OpenAI server tokenizes them
 (:func:`~lmcache_mooncake.warmup.inputs.read_inputs`), and chunk, file and object names
-are :mod:`lmcache_mooncake.keys`'. Other namespaces are found through the manifests writers
-record beside their chunks (:mod:`lmcache_mooncake.namespaces`).
+are :mod:`lmcache_mooncake.chunks.keys`'. Other namespaces are found through the manifests writers
+record beside their chunks (:mod:`lmcache_mooncake.chunks.namespaces`).
 
 The report itself (:func:`explain`) works on two small views, one per listable tier
 (:class:`DiskView`, :class:`StoreView`), so it is tested without a store or vLLM.
@@ -28,8 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from lmcache_mooncake import keys, namespaces
-from lmcache_mooncake.keys import KeyNamespace
+from lmcache_mooncake.chunks import keys, namespaces
+from lmcache_mooncake.chunks.keys import KeyNamespace
 
 CPU_NOTE = ("the CPU tier lives in the memory of a running vLLM process and cannot be listed from here; "
             "its counters are on its /metrics (lmcache-mooncake stats --url URL)")

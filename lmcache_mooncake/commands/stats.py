@@ -1,7 +1,7 @@
 """``lmcache-mooncake stats``: one table of what a running stack's caches did.
 
 Reads each vLLM instance's ``/metrics`` (our ``vllm:lmcm_*`` metrics and vLLM's
-external prefix-cache counters, :mod:`lmcache_mooncake.metrics_client`) and,
+external prefix-cache counters, :mod:`lmcache_mooncake.obs.metrics_client`) and,
 when the embedded store runs (its state folder), the Mooncake master's
 metrics port (capacity, use, keys). Prints, per instance: the external hit
 rate, hits and bytes per tier, tokens loaded and saved, cached prompt tokens
@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lmcache_mooncake.metric_names import PREFIX
-from lmcache_mooncake.metrics_client import MetricsSnapshot, fetch, metrics_url
-from lmcache_mooncake.procs import format_bytes
+from lmcache_mooncake.obs.metric_names import PREFIX
+from lmcache_mooncake.obs.metrics_client import MetricsSnapshot, fetch, metrics_url
+from lmcache_mooncake.runtime.procs import format_bytes
 
 #: ``lmcache-mooncake serve``'s default port.
 DEFAULT_URL = "http://127.0.0.1:8000"

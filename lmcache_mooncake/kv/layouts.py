@@ -98,8 +98,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from lmcache_mooncake.keys import BLOCKS, TOKENS
-from lmcache_mooncake.paged_copy import (
+from lmcache_mooncake.chunks.keys import BLOCKS, TOKENS
+from lmcache_mooncake.kv.paged_copy import (
     _block_runs,
     _check_buffer,
     _check_slots,
@@ -187,7 +187,7 @@ class PagedLayout(ABC):
     def chunk_layout(self, kv_layer: torch.Tensor, chunk_size: int) -> str:
         """How chunks of this layout keep their bytes (part of the key namespace): ``"tokens"``
         (token-major ``[2, L, T, H * D]``) or ``"blocks"`` (the paged blocks' own bytes, see
-        :mod:`lmcache_mooncake.block_chunks`). ``"tokens"`` unless a subclass says otherwise."""
+        :mod:`lmcache_mooncake.kv.block_chunks`). ``"tokens"`` unless a subclass says otherwise."""
         return TOKENS
 
     # -- public copies ------------------------------------------------------------
@@ -341,7 +341,7 @@ class CpuAttnLayout(PagedLayout):
     def chunk_layout(self, kv_layer: torch.Tensor, chunk_size: int) -> str:
         """``"blocks"`` for the ``vec``/``vec16`` kernels when chunks are whole blocks: K is
         column-major in a block, so token-major chunks cost a transposing copy per block
-        (:mod:`lmcache_mooncake.block_chunks`). AMX tiles stay ``"tokens"``."""
+        (:mod:`lmcache_mooncake.kv.block_chunks`). AMX tiles stay ``"tokens"``."""
         _, _, tokens, _ = self.kv_shape(kv_layer)
         if self._isa_of(kv_layer) == "amx" or chunk_size % tokens:
             return TOKENS

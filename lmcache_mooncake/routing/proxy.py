@@ -72,7 +72,7 @@ from lmcache_mooncake.routing.placement import choose, make_placement
 from lmcache_mooncake.routing.pool import HealthPolicy, Instance, InstancePool
 from lmcache_mooncake.routing.prompt_keys import PromptKeyer, PromptKeys, StoreCoverage
 
-logger = logging.getLogger("lmcache_mooncake.proxy")
+logger = logging.getLogger("lmcache_mooncake.routing.proxy")
 
 T = TypeVar("T")
 
@@ -647,7 +647,7 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """``lmcache-mooncake proxy``: check the flags and serve the proxy with uvicorn."""
-    from lmcache_mooncake.logs import setup_logging
+    from lmcache_mooncake.obs.logs import setup_logging
 
     p = args.parser
     if not 0 < args.port < 65536:

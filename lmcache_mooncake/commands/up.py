@@ -33,10 +33,10 @@ from typing import Any
 
 import httpx
 
-from lmcache_mooncake import procs
-from lmcache_mooncake.malloc_env import malloc_env
-from lmcache_mooncake.metrics_client import MetricsSnapshot, fetch
-from lmcache_mooncake.serve import default_config_file, vllm_command
+from lmcache_mooncake.commands.serve import default_config_file, vllm_command
+from lmcache_mooncake.obs.metrics_client import MetricsSnapshot, fetch
+from lmcache_mooncake.runtime import procs
+from lmcache_mooncake.runtime.malloc_env import malloc_env
 from lmcache_mooncake.testing.prompts import demo_requests
 from lmcache_mooncake.testing.streaming import stream_completion
 

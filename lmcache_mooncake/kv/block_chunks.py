@@ -2,7 +2,7 @@
 
 A chunk buffer is LMCache's ``[2, L, T, H * D]`` tensor whatever its layout
 (LMCache sizes, stores and moves it as that). In the ``"tokens"`` chunk layout
-its bytes mean what the shape says (:mod:`lmcache_mooncake.layouts`). In the
+its bytes mean what the shape says (:mod:`lmcache_mooncake.kv.layouts`). In the
 ``"blocks"`` layout the same buffer holds, for a chunk of ``T = n * N + r``
 tokens (``N`` the block size):
 
@@ -21,9 +21,9 @@ layout needs for ``CPU_ATTN``'s column-major K: 8,192 tokens of Qwen2-0.5B
 in part (a load that ends inside a block) move through the layout's K/V views.
 
 The bytes depend on the backend's layout, so the chunk layout is part of the
-key namespace (:attr:`lmcache_mooncake.keys.KeyNamespace.chunk_layout`): a
+key namespace (:attr:`lmcache_mooncake.chunks.keys.KeyNamespace.chunk_layout`): a
 reader with another layout finds nothing rather than misreading. Only layouts
-whose :meth:`~lmcache_mooncake.layouts.PagedLayout.chunk_layout` says
+whose :meth:`~lmcache_mooncake.kv.layouts.PagedLayout.chunk_layout` says
 ``"blocks"`` use it (``CPU_ATTN`` with the ``vec``/``vec16`` kernels, when the
 chunk size is a multiple of the block size); GPU layouts keep ``"tokens"``,
 where a block's K and V rows are already contiguous per token.
@@ -35,7 +35,7 @@ from collections.abc import Iterator
 
 import torch
 
-from lmcache_mooncake.layouts import PagedKV
+from lmcache_mooncake.kv.layouts import PagedKV
 
 
 def _parts(paged: PagedKV, buf: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:

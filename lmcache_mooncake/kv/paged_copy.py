@@ -1,6 +1,6 @@
 """The copy engine between paged KV and chunk buffers, for any layout's K/V views.
 
-:mod:`lmcache_mooncake.layouts` says where a layout keeps K and V (strided
+:mod:`lmcache_mooncake.kv.layouts` says where a layout keeps K and V (strided
 ``[B, N, H, D]`` views of a layer's tensor); this module moves the bytes:
 
 - whole blocks: :func:`_block_runs` finds the runs of whole, consecutive

@@ -1,0 +1,1 @@
+"""The command line's subcommands (each: ``add_parser`` and ``run``), apart from store, warmup and make-model."""

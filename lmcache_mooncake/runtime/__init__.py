@@ -1,0 +1,1 @@
+"""Process helpers: child processes, CPU affinity, heap and malloc settings, prefaulting."""
