@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lmcache_mooncake.platform import detect_platform, engine_kwargs, instance_env
 from lmcache_mooncake.runtime import procs
 from lmcache_mooncake.runtime.malloc_env import malloc_env
 
@@ -72,8 +73,11 @@ class RunSpec:
 
 
 def vllm_env(work_dir: Path, extra: dict[str, str] | None = None, kv_cache_gib: int = 1) -> dict[str, str]:
-    """Environment for a vLLM child: offline, quiet, per-run caches (no collisions), and glibc
-    malloc kept from re-faulting activations every step (:mod:`lmcache_mooncake.runtime.malloc_env`)."""
+    """Environment for a vLLM child: offline, quiet, per-run caches (no collisions), what its
+    platform needs (:func:`lmcache_mooncake.platform.instance_env`: on CPU the KV cache size and
+    no reserved core) and on CPU glibc malloc kept from re-faulting activations every step
+    (:mod:`lmcache_mooncake.runtime.malloc_env`)."""
+    plat = detect_platform()
     env = dict(os.environ)
     for d in ("cache", "inductor", "tmp"):
         (work_dir / d).mkdir(parents=True, exist_ok=True)
@@ -82,17 +86,15 @@ def vllm_env(work_dir: Path, extra: dict[str, str] | None = None, kv_cache_gib: 
             "HF_HUB_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
-            "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
-            # A connector makes vLLM's CPU build reserve a core; on small
-            # machines that skews comparisons, so reserve none in every run.
-            "VLLM_CPU_NUM_OF_RESERVED_CPU": env.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"),
+            **instance_env(plat, env, kv_cache_gib),
             "VLLM_CACHE_ROOT": str(work_dir / "cache"),
             "TORCHINDUCTOR_CACHE_DIR": str(work_dir / "inductor"),
             "TMPDIR": str(work_dir / "tmp"),
         }
     )
     env.update(extra or {})
-    env.update(malloc_env(env))
+    if not plat.is_cuda:
+        env.update(malloc_env(env))
     return env
 
 
@@ -233,7 +235,8 @@ def _child(work_dir: str) -> None:
     spec = RunSpec(**json.loads((work / "spec.json").read_text()))
     kwargs: dict[str, Any] = dict(
         model=spec.model,
-        enforce_eager=True,
+        # CPU: eager (faster start; its KV cache size is in vllm_env); CUDA: CUDA graphs, kv_cache_memory_bytes.
+        **engine_kwargs(detect_platform(), spec.kv_cache_gib),
         dtype=spec.dtype,
         max_model_len=spec.max_model_len,
         seed=0,
