@@ -19,6 +19,7 @@ import pytest
 
 from lmcache_mooncake import platform
 from lmcache_mooncake.cli import main
+from lmcache_mooncake.commands.up import core_sets
 from lmcache_mooncake.platform import Platform, PlatformError, assign_gpus, detect_platform
 
 TWO_GPUS = Platform("cuda", ("0", "1"), "faked for the test")
@@ -131,7 +132,67 @@ def test_gpu_assignment_refusals_name_the_flag_and_counts(plat, n, gpus, says):
     assert says in str(ei.value) and "--gpus" in str(ei.value)
 
 
-# -- offline runs ---------------------------------------------------------------------
+# -- what `up` starts ---------------------------------------------------------------------------
+
+
+def test_up_on_two_gpus_starts_one_instance_per_gpu_with_cuda_graphs(monkeypatch, capsys):
+    fake(monkeypatch, TWO_GPUS)
+    plan = up_plan(capsys, "--kv-cache-gib", "4")
+    assert [(kv_role(cmd), env["CUDA_VISIBLE_DEVICES"]) for env, cmd in plan] == [("kv_producer", "0"),
+                                                                                   ("kv_consumer", "1")]
+    for env, cmd in plan:
+        assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == str(4 << 30)
+        assert "--enforce-eager" not in cmd
+        assert [k for k in env if k.startswith("VLLM_CPU_") or k == "GLIBC_TUNABLES"] == []
+    assert [env["CUDA_VISIBLE_DEVICES"] for env, _ in up_plan(capsys, "--gpus", "1,0")] == ["1", "0"]
+
+
+def test_up_on_cuda_leaves_the_kv_cache_to_vllm_unless_asked(monkeypatch, capsys):
+    fake(monkeypatch, TWO_GPUS)
+    for flags in ([], ["--kv-cache-gib", "2", "--vllm-arg=--gpu-memory-utilization=0.5"]):
+        for _, cmd in up_plan(capsys, *flags):
+            assert "--kv-cache-memory-bytes" not in cmd
+
+
+def test_up_refuses_three_instances_on_two_gpus(monkeypatch, capsys):
+    fake(monkeypatch, TWO_GPUS)
+    with pytest.raises(SystemExit) as ei:
+        main(["up", "--model", "/models/m", "--decode", "2", "--print-commands"])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert "--prefill 1 --decode 2: 3 vLLM instances need one GPU each and 2 are visible" in err
+    assert "--gpus" in err
+
+
+def test_up_on_cpu_builds_the_commands_it_always_did(monkeypatch, capsys):
+    fake(monkeypatch, CPU)
+    cores = sorted(os.sched_getaffinity(0))
+    plan = up_plan(capsys)
+    assert len(plan) == 2
+    for (env, cmd), mine in zip(plan, core_sets(2, cores), strict=True):
+        assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+        assert env.get("VLLM_CPU_OMP_THREADS_BIND") == (",".join(map(str, mine)) if len(cores) >= 2 else None)
+        assert "CUDA_VISIBLE_DEVICES" not in env
+        assert cmd[-4:] == ["--shutdown-timeout", "60", "--enable-prompt-tokens-details", "--enforce-eager"]
+    with pytest.raises(SystemExit):
+        main(["up", "--model", "/models/m", "--gpus", "0,1", "--print-commands"])
+    assert "vLLM runs on the CPU here" in capsys.readouterr().err
+
+
+# -- serve and offline runs ---------------------------------------------------------------------
+
+
+def test_serve_adds_only_the_platforms_variables(monkeypatch, capsys):
+    from lmcache_mooncake.runtime import malloc_env as me
+
+    monkeypatch.setattr(me, "vllm_bundles_tcmalloc", lambda: False)
+    fake(monkeypatch, TWO_GPUS)
+    assert main(["serve", "--role", "both", "--model", "m", "--print-command"]) == 0
+    line = capsys.readouterr().out
+    assert line.split()[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and "GLIBC_TUNABLES" not in line
+    fake(monkeypatch, CPU)
+    assert main(["serve", "--role", "both", "--model", "m", "--print-command"]) == 0
+    assert capsys.readouterr().out.startswith("GLIBC_TUNABLES=")
 
 
 def test_offline_runs_ask_the_platform(monkeypatch, tmp_path: Path):

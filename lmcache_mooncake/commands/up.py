@@ -5,7 +5,10 @@ in the state folder), ``--prefill N`` prefill vLLMs (kv_producer) and
 ``--decode M`` decode vLLMs (kv_consumer), each on its own port and core set
 (:func:`core_sets`), and the proxy in front of them all (prefix routing and
 direct decode, with the model's tokenizer), all on loopback; waits until each
-answers; prints the proxy's URL. While it runs, an instance that exits is
+answers; prints the proxy's URL. On CUDA (:mod:`lmcache_mooncake.platform`)
+each instance gets its own GPU instead of its own cores (``--gpus``, default
+one visible GPU per instance in order), and ``--print-commands`` shows what it
+would start without starting anything. While it runs, an instance that exits is
 reported and the proxy routes around it; the stack stops when a role has no
 instance left or the proxy exits. On Ctrl-C or SIGTERM it stops what it
 started in the reverse order (proxy, decode, prefill, store), each process
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -33,6 +37,7 @@ from typing import Any
 
 import httpx
 
+from lmcache_mooncake import platform
 from lmcache_mooncake.commands.serve import default_config_file, vllm_command
 from lmcache_mooncake.obs.metrics_client import MetricsSnapshot, fetch
 from lmcache_mooncake.runtime import procs
@@ -51,6 +56,21 @@ class Child:
     role: str | None = None
     #: The connector's run folder (its counters), for vLLM instances.
     run_dir: Path | None = None
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One vLLM instance ``up`` will start: its command and the variables it adds to the environment."""
+
+    name: str
+    role: str
+    port: int
+    cmd: list[str]
+    env: dict[str, str]
+    #: Where it runs, for messages: "cores 0,1" or "GPU 1".
+    placement: str
+    #: The connector's run folder (its counters).
+    run_dir: Path
 
 
 #: Memory one vLLM instance of a small model needs beside its KV cache (seen: 1-2 GiB).
@@ -137,12 +157,20 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
     p.add_argument("--store-memory", default="2GiB", help="store memory if a store is started (default 2GiB)")
     p.add_argument("--state-dir", default=None, help="store state folder (default: the store command's default)")
     p.add_argument("--work-dir", default=None, help="folder for logs and counters (default: a new temp folder)")
-    p.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE per vLLM (default 1)")
+    p.add_argument("--kv-cache-gib", type=int, default=None, metavar="GIB",
+                   help="KV cache of each vLLM, GiB: on CPU VLLM_CPU_KVCACHE_SPACE (default "
+                   f"{platform.DEFAULT_CPU_KV_CACHE_GIB}); on CUDA --kv-cache-memory-bytes (default: not set, vLLM "
+                   "sizes it from --gpu-memory-utilization, 0.9 of the GPU)")
+    p.add_argument("--gpus", default=None, metavar="IDS",
+                   help="CUDA only: GPUs for the instances, one each in order (prefill first), as "
+                   "CUDA_VISIBLE_DEVICES names them, e.g. 0,1 (default: the visible GPUs in order)")
     p.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for both vLLM servers (repeat), e.g. --vllm-arg=--dtype=bfloat16")
     p.add_argument("--startup-timeout", type=float, default=600, help="seconds to wait for each server")
     p.add_argument("--demo", action="store_true", help="send demo prompts through the proxy, print a table, stop")
     p.add_argument("--size", default="small", choices=["tiny", "small", "0.5b"], help="generated model size for --demo")
+    p.add_argument("--print-commands", action="store_true",
+                   help="print each vLLM's command (with the variables up adds) and the proxy's, start nothing")
     p.set_defaults(run=run)
     return p
 
@@ -151,7 +179,13 @@ def run(args: argparse.Namespace) -> int:
     """Start the stack, wait for every part, then serve (or run the demo) until stopped."""
     if args.model is None and not args.demo:
         args.parser.error("--model is required (or use --demo)")
-    _check_args(args)
+    try:
+        plat = platform.detect_platform()
+    except platform.PlatformError as e:
+        args.parser.error(str(e))
+    gpus = _check_args(args, plat)
+    if args.print_commands:
+        return _print_commands(args, plat, gpus)
 
     from lmcache_mooncake.config import parse_size
     from lmcache_mooncake.store.launcher import StoreSpec, default_state_dir, start_store, store_status
@@ -180,36 +214,16 @@ def run(args: argparse.Namespace) -> int:
             start_store(StoreSpec(memory_bytes=parse_size(args.store_memory), state_dir=stack.store_dir))
             stack.started_store = True
 
-        roles = [("prefill", i) for i in range(args.prefill)] + [("decode", i) for i in range(args.decode)]
-        ports: list[int] = []
-        for _ in roles:
-            ports.append(procs.free_port(exclude=set(ports) | {args.port}))
-        # On small CPU machines vLLMs must not bind OpenMP to the same cores (where it can be avoided).
-        cores = core_sets(len(roles), sorted(os.sched_getaffinity(0)))
-        for (role, i), port, mine in zip(roles, ports, cores, strict=True):
-            name = f"{role}-{i}"
-            env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib), HF_HUB_OFFLINE="1",
-                       VLLM_NO_USAGE_STATS="1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
-            env.update(malloc_env(env))
-            if len(os.sched_getaffinity(0)) >= 2 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-                env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, mine))
-            run_dir = work / f"{name}-run"
-            overrides = {"run_dir": str(run_dir), "mooncake": {"store_dir": str(stack.store_dir)}}
-            cmd = vllm_command(role, model, "127.0.0.1", port, default_config_file(role),
-                               ["--enable-prompt-tokens-details", "--enforce-eager", *args.vllm_arg], overrides)
-            stack.spawn(name, cmd, env, url=f"http://127.0.0.1:{port}", role=role, run_dir=run_dir)
-            print(f"up: starting {name} vLLM on port {port}, cores {','.join(map(str, mine))} "
-                  f"(log {work / (name + '.log')})", file=sys.stderr)
+        for launch in plan_instances(args, plat, model, stack.store_dir, work, gpus):
+            stack.spawn(launch.name, launch.cmd, dict(os.environ, **launch.env), url=f"http://127.0.0.1:{launch.port}",
+                        role=launch.role, run_dir=launch.run_dir)
+            print(f"up: starting {launch.name} vLLM on port {launch.port}, {launch.placement} "
+                  f"(log {work / (launch.name + '.log')})", file=sys.stderr)
         for child in list(stack.children):
             stack.wait_healthy(child, args.startup_timeout)
             print(f"up: {child.name} is ready", file=sys.stderr)
-        proxy_cmd = [sys.executable, "-m", "lmcache_mooncake.cli", "proxy", "--port", str(args.port),
-                     "--prefill", *(c.url for c in stack.instances("prefill")),
-                     "--decode", *(c.url for c in stack.instances("decode")),
-                     "--routing", args.routing, "--model", model, "--dtype", _vllm_dtype(args.vllm_arg),
-                     "--store-dir", str(stack.store_dir), *args.proxy_arg]
-        if default_config_file("decode"):
-            proxy_cmd += ["--config", str(default_config_file("decode"))]
+        proxy_cmd = proxy_command(args, model, stack.store_dir, [c.url for c in stack.instances("prefill")],
+                                  [c.url for c in stack.instances("decode")])
         proxy = stack.spawn("proxy", proxy_cmd, dict(os.environ), url=f"http://127.0.0.1:{args.port}")
         stack.wait_healthy(proxy, 120)
         print(f"\nlmcache-mooncake stack is up: OpenAI API at http://127.0.0.1:{args.port}/v1 "
@@ -226,20 +240,91 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(s, h)
 
 
-def _check_args(args: argparse.Namespace) -> None:
-    """Refuse impossible instance counts, and more instances than this host's memory holds."""
+def plan_instances(args: argparse.Namespace, plat: platform.Platform, model: str, store_dir: Path, work: Path,
+                   gpus: list[str]) -> list[Launch]:
+    """The ``--prefill`` then ``--decode`` vLLM instances, each on a free loopback port: on CPU
+    on its own cores (:func:`core_sets`), on CUDA on its own GPU (``gpus``, one each, from
+    :func:`lmcache_mooncake.platform.assign_gpus`)."""
+    roles = [("prefill", i) for i in range(args.prefill)] + [("decode", i) for i in range(args.decode)]
+    ports: list[int] = []
+    for _ in roles:
+        ports.append(procs.free_port(exclude=set(ports) | {args.port}))
+    affinity = sorted(os.sched_getaffinity(0))
+    # On small CPU machines vLLMs must not bind OpenMP to the same cores (where it can be avoided).
+    cores = core_sets(len(roles), affinity) if not plat.is_cuda else [[] for _ in roles]
+    placed = gpus if plat.is_cuda else [None] * len(roles)
+    launches = []
+    for (role, i), port, mine, gpu in zip(roles, ports, cores, placed, strict=True):
+        name = f"{role}-{i}"
+        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
+        env.update(platform.instance_env(plat, os.environ, args.kv_cache_gib,
+                                         cores=mine if len(affinity) >= 2 else (), gpus=[gpu] if gpu else ()))
+        if not plat.is_cuda:  # the activations it keeps from re-faulting are the CPU platform's
+            env.update(malloc_env(env))
+        added = {k: v for k, v in env.items() if os.environ.get(k) != v}
+        run_dir = work / f"{name}-run"
+        overrides = {"run_dir": str(run_dir), "mooncake": {"store_dir": str(store_dir)}}
+        flags = ["--enable-prompt-tokens-details", *platform.instance_vllm_args(plat, args.kv_cache_gib, args.vllm_arg),
+                 *args.vllm_arg]
+        cmd = vllm_command(role, model, "127.0.0.1", port, default_config_file(role), flags, overrides)
+        where = f"GPU {gpu}" if gpu is not None else f"cores {','.join(map(str, mine))}"
+        launches.append(Launch(name, role, port, cmd, added, where, run_dir))
+    return launches
+
+
+def proxy_command(args: argparse.Namespace, model: str, store_dir: Path, prefill_urls: list[str],
+                  decode_urls: list[str]) -> list[str]:
+    """The proxy in front of the instances, on ``--port``."""
+    cmd = [sys.executable, "-m", "lmcache_mooncake.cli", "proxy", "--port", str(args.port),
+           "--prefill", *prefill_urls, "--decode", *decode_urls,
+           "--routing", args.routing, "--model", model, "--dtype", _vllm_dtype(args.vllm_arg),
+           "--store-dir", str(store_dir), *args.proxy_arg]
+    if default_config_file("decode"):
+        cmd += ["--config", str(default_config_file("decode"))]
+    return cmd
+
+
+def _print_commands(args: argparse.Namespace, plat: platform.Platform, gpus: list[str]) -> int:
+    """``--print-commands``: what ``up`` would start, as shell lines; nothing is started."""
+    from lmcache_mooncake.store.launcher import default_state_dir
+
+    if args.model is None:
+        args.parser.error("--print-commands needs --model")
+    store_dir = Path(args.state_dir or default_state_dir()).expanduser()
+    work = Path(args.work_dir or "<work-dir>")
+    launches = plan_instances(args, plat, args.model, store_dir, work, gpus)
+    print(f"# platform: {plat.describe()}")
+    for launch in launches:
+        print(f"# {launch.name}: {launch.placement}")
+        print(" ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(launch.env.items())), shlex.join(launch.cmd))
+    urls = {role: [f"http://127.0.0.1:{x.port}" for x in launches if x.role == role] for role in ("prefill", "decode")}
+    print("# proxy")
+    print(shlex.join(proxy_command(args, args.model, store_dir, urls["prefill"], urls["decode"])))
+    return 0
+
+
+def _check_args(args: argparse.Namespace, plat: platform.Platform) -> list[str]:
+    """Refuse impossible instance counts; on CPU more instances than this host's memory holds,
+    on CUDA more than there are GPUs. Returns the GPU of each instance (``[]`` on CPU)."""
     import psutil
 
     if args.prefill < 1 or args.decode < 1:
         args.parser.error(f"--prefill {args.prefill} --decode {args.decode}: each role needs at least one instance")
     n = args.prefill + args.decode
-    need = n * ((args.kv_cache_gib << 30) + INSTANCE_OVERHEAD_BYTES)
+    if plat.is_cuda or args.gpus:
+        try:
+            return platform.assign_gpus(plat, n, args.gpus)
+        except platform.PlatformError as e:
+            args.parser.error(f"--prefill {args.prefill} --decode {args.decode}: {e}")
+    gib = platform.DEFAULT_CPU_KV_CACHE_GIB if args.kv_cache_gib is None else args.kv_cache_gib
+    need = n * ((gib << 30) + INSTANCE_OVERHEAD_BYTES)
     have = psutil.virtual_memory().available
     if need > have:
         args.parser.error(f"{n} vLLM instances need about {procs.format_bytes(need)} "
-                          f"({args.kv_cache_gib} GiB KV cache + {procs.format_bytes(INSTANCE_OVERHEAD_BYTES)} each), "
+                          f"({gib} GiB KV cache + {procs.format_bytes(INSTANCE_OVERHEAD_BYTES)} each), "
                           f"this host has {procs.format_bytes(have)} available: start fewer (--prefill, --decode) "
                           "or lower --kv-cache-gib")
+    return []
 
 
 def _vllm_dtype(vllm_args: list[str]) -> str:
