@@ -124,3 +124,48 @@ def test_cheap_doc_command_runs_as_written(doc, command):
         argv = [sys.executable, "-m", "lmcache_mooncake.cli", *argv[1:]]
     out = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, f"{doc}: {command}\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
+
+
+# -- the figures of docs/performance.md (and the README's headline) come from benchmarks/report.py --
+
+
+def _bench_report():
+    """``benchmarks/report.py`` as a module (benchmarks/ is no package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_report", REPO / "benchmarks" / "report.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_performance_tables_are_what_the_report_renders_from_the_committed_summary():
+    import json
+
+    report = _bench_report()
+    summary = json.loads(report.SUMMARY.read_text())
+    for doc in report.docs():
+        text = doc.read_text()
+        assert report.render_doc(text, summary, doc) == text, (
+            f"{doc.name}: its tables differ from docs/performance.json; run .venv/bin/python benchmarks/report.py "
+            "--render (or make bench), never edit a figure between the table markers")
+
+
+def test_a_changed_figure_is_caught_in_the_summary_and_in_the_page():
+    import json
+
+    report = _bench_report()
+    summary = json.loads(report.SUMMARY.read_text())
+    text = report.PAGE.read_text()
+    changed = json.loads(json.dumps(summary))
+    changed["ttft"]["rows"]["shm"]["8193"][0] += 1
+    assert report.render_doc(text, changed, report.PAGE) != text
+    figure = f"| {report.num(report._ms(summary['ttft'], 'shm', 8193))} ("
+    assert figure in text
+    edited = text.replace(figure, "| 1 (", 1)
+    assert report.render_doc(edited, summary, report.PAGE) != edited
+
+
+def test_performance_page_is_at_most_250_lines():
+    assert len((DOCS / "performance.md").read_text().splitlines()) <= 250
