@@ -324,13 +324,13 @@ def render_ttft(summary: Summary) -> str:
                 misses.append(f"{label.split(' (')[0]} at {n:,} tokens ({cell[1]:,} cached)")
         rows.append([label, *cells])
     out = [md_table(["TTFT, ms", *(f"{n:,} tokens" for n in lengths)], rows), ""]
-    out.append("Cached tokens: " + ("every row but recompute served all but the last token." if not misses
-                                    else "all but the last token, except " + "; ".join(misses) + "."))
+    out.append("- Cached tokens: " + ("every row but recompute served all but the last token." if not misses
+                                      else "all but the last token, except " + "; ".join(misses) + "."))
     for n, (ms, cached) in sorted(sec["rows"].get("example", {}).items(), key=lambda kv: int(kv[0])):
-        out.append(f"vLLM `ExampleConnector`, fresh process: {num(ms)} ms at {int(n):,} tokens, {cached:,} cached.")
+        out.append(f"- vLLM `ExampleConnector`, fresh process: {num(ms)} ms at {int(n):,} tokens, {cached:,} cached.")
     for label, why in sec.get("not_run", {}).items():
-        out.append(f"{label}: {why}.")
-    out.append(f"From {run_of(summary, 'ttft')}; model `{sec['model']}`.")
+        out.append(f"- {label}: {why}.")
+    out += ["", f"From {run_of(summary, 'ttft')}; model `{sec['model']}`."]
     return "\n".join(out)
 
 
