@@ -143,3 +143,66 @@ def test_a_payload_hashed_in_pieces_checks_as_the_whole_does(seal):
     h.update(data)
     with pytest.raises(ChunkVerificationError, match="mismatch"):
         check_digest(header, h.hexdigest())
+
+
+def _rewrite_meta(data: bytes, **changes) -> bytes:
+    """``data`` with its header's ``__metadata__`` changed (None deletes a field), payload kept."""
+    import json
+    import struct
+
+    (hlen,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + hlen])
+    for name, value in changes.items():
+        if value is None:
+            header["__metadata__"].pop(name, None)
+        else:
+            header["__metadata__"][name] = value
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-(8 + len(blob)) % 8)
+    return struct.pack("<Q", len(blob)) + blob + data[8 + hlen :]
+
+
+def test_only_damage_under_the_readers_own_format_and_secret_is_its_to_remove():
+    """Instances of other secrets or format versions share object names: what fails one
+    reader's check because another wrote it is ForeignChunkError (a tier leaves it in place);
+    damage under the reader's own format and seal is a plain ChunkVerificationError (removed)."""
+    from lmcache_mooncake.chunks.chunk_format import CHECKSUM_SEAL, ForeignChunkError, mac_seal
+
+    t = torch.randn(2, 2, 6, 8)
+    a, b = mac_seal(b"secret-a-" * 4), mac_seal(b"secret-b-" * 4)
+    assert a.key_id != b.key_id and len(a.key_id) == 32
+    assert a.mac_key.hex() not in repr(a) and a.mac_key.hex()[:32] != a.key_id
+    sealed_a, plain = encode("k", t, a), encode("k", t)
+    assert a.key_id.encode() in sealed_a[:4096]
+    assert torch.equal(decode(sealed_a, "k", a), t)  # the control: its own reader reads it
+
+    foreign = {
+        "another secret": (sealed_a, b),
+        "a secret the reader lacks": (sealed_a, CHECKSUM_SEAL),
+        "no secret where one is required": (plain, a),
+        "another format version": (_rewrite_meta(plain, format="lmcm-chunk-9"), CHECKSUM_SEAL),
+        # Written before chunks named their secret: a mismatch may be another secret's.
+        "a MAC chunk naming no secret": (_rewrite_meta(sealed_a, mac_key_id=None), b),
+    }
+    for data, seal in foreign.values():
+        with pytest.raises(ForeignChunkError):
+            decode(data, "k", seal)
+    assert torch.equal(decode(_rewrite_meta(sealed_a, mac_key_id=None), "k", a), t)
+
+    def flip(data: bytes) -> bytes:
+        out = bytearray(data)
+        out[-1] ^= 0x01
+        return bytes(out)
+
+    damaged = {
+        "payload under its own secret": (flip(sealed_a), a),
+        "payload under the checksum": (flip(plain), CHECKSUM_SEAL),
+        "truncated": (plain[:-3], CHECKSUM_SEAL),
+        "no format field": (_rewrite_meta(plain, format=None), CHECKSUM_SEAL),
+        "no seal field": (_rewrite_meta(plain, xxh3_128=None), CHECKSUM_SEAL),
+        "garbage header": (b"\x10" + plain[1:], CHECKSUM_SEAL),
+    }
+    for why, (data, seal) in damaged.items():
+        with pytest.raises(ChunkVerificationError) as caught:
+            decode(data, "k", seal)
+        assert not isinstance(caught.value, ForeignChunkError), why

@@ -9,7 +9,9 @@ then the raw tensor bytes. The header's ``__metadata__`` carries:
 - ``dtype`` and ``shape``: repeated from the tensor entry and cross-checked
 - the seal: ``xxh3_128``, XXH3-128 of the tensor bytes (a checksum), or,
   when the instance has a chunk auth secret, ``blake3_mac``: keyed BLAKE3 of
-  the key, dtype, shape and tensor bytes (a MAC; see :class:`Seal`)
+  the key, dtype, shape and tensor bytes (a MAC; see :class:`Seal`), with
+  ``mac_key_id``, a fingerprint of the secret that tells readers whose chunk
+  it is (not covered by the MAC: it only decides what a reader may remove)
 
 Writers build the header once per chunk (:func:`encode_header`, one checksum
 pass) and write it and the tensor's own memory as two parts, so no tier makes
@@ -31,6 +33,16 @@ instead (:func:`mac_seal`; BLAKE3 is the fastest keyed hash we have that is a
 real MAC, where HMAC-SHA-256 would cost 4x more than the copy). A chunk
 sealed otherwise than the reader expects (no secret, another secret, or a
 checksum where a MAC is required) fails its check: a miss, never a load.
+
+Whose chunk is it? Instances with other secrets, without one, or of another
+:data:`FORMAT_VERSION` share object names (neither is in the namespace), so
+a chunk that fails one reader's check may be another writer's good chunk.
+Such a failure raises :class:`ForeignChunkError`, which a tier counts as a
+miss and leaves in place; only a plain :class:`ChunkVerificationError` (a
+chunk damaged under the reader's own format and seal: its header names this
+format and this secret's ``mac_key_id``, or a checksum where the reader has
+no secret) is removed. Every format version keeps the safetensors framing
+and the ``format`` field, so a header that does not parse at all is damage.
 """
 
 from __future__ import annotations
@@ -67,9 +79,20 @@ class ChunkVerificationError(ValueError):
     """Stored bytes are not the chunk they claim to be (damaged, truncated or misnamed)."""
 
 
+class ForeignChunkError(ChunkVerificationError):
+    """The chunk was written in another format version, or sealed with another chunk auth
+    secret (or without one, or with one this reader lacks): a miss for this reader, but
+    possibly a good chunk for the instances that wrote it, so a tier must not remove it."""
+
+
 #: Context string of BLAKE3's key derivation: the chunk MAC key is derived from
 #: the secret file's bytes, never used raw, so the file may hold any text.
 _MAC_CONTEXT = "lmcache-mooncake 2026 chunk MAC v1"
+#: Context of the secret's public fingerprint (``mac_key_id``): another derivation,
+#: so it tells nothing about the MAC key.
+_KEY_ID_CONTEXT = "lmcache-mooncake 2026 chunk MAC key id v1"
+#: Header field of a MAC seal's key fingerprint.
+KEY_ID_FIELD = "mac_key_id"
 #: Fewest bytes a chunk auth secret may have.
 MIN_SECRET_BYTES = 16
 
@@ -86,6 +109,9 @@ class Seal:
     field_name: str
     #: The 32-byte BLAKE3 key of a MAC seal; None for the checksum.
     mac_key: bytes | None = field(default=None, repr=False)
+    #: A MAC seal's public fingerprint of its secret (32 hex digits), written in each
+    #: chunk's header as ``mac_key_id``; None for the checksum.
+    key_id: str | None = None
 
     @property
     def is_mac(self) -> bool:
@@ -123,7 +149,8 @@ def mac_seal(secret: bytes) -> Seal:
     """The MAC seal for a shared secret (at least :data:`MIN_SECRET_BYTES` bytes)."""
     if len(secret) < MIN_SECRET_BYTES:
         raise ValueError(f"a chunk auth secret needs at least {MIN_SECRET_BYTES} bytes, got {len(secret)}")
-    return Seal(MAC_FIELD, blake3.blake3(secret, derive_key_context=_MAC_CONTEXT).digest())
+    return Seal(MAC_FIELD, blake3.blake3(secret, derive_key_context=_MAC_CONTEXT).digest(),
+                blake3.blake3(secret, derive_key_context=_KEY_ID_CONTEXT).hexdigest()[:32])
 
 
 @dataclass(frozen=True)
@@ -139,6 +166,10 @@ class ChunkHeader:
     #: Where the payload starts, from the first byte of the chunk.
     payload_offset: int
     payload_nbytes: int
+    #: Whether the header shows the chunk was sealed with the reader's own seal, so a
+    #: digest mismatch is damage (False: a MAC chunk without ``mac_key_id``, written
+    #: before chunks carried one; a mismatch may be another secret's).
+    own_seal: bool = True
 
     @property
     def total_nbytes(self) -> int:
@@ -187,6 +218,7 @@ def _header_bytes(key: str, dtype: torch.dtype, shape: list[int], seal: Seal, di
             "dtype": str(dtype).removeprefix("torch."),
             "shape": json.dumps(shape),
             seal.field_name: digest,
+            **({KEY_ID_FIELD: seal.key_id} if seal.key_id else {}),
         },
     }
     blob = json.dumps(header, separators=(",", ":")).encode()
@@ -218,8 +250,11 @@ def parse_header(data: memoryview | bytes | bytearray, expected_key: str,
         raise ChunkVerificationError("header is not a JSON object")
     meta = header.get("__metadata__") or {}
     entry = header.get(TENSOR_NAME)
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
-        raise ChunkVerificationError(f"unknown format {meta.get('format') if isinstance(meta, dict) else meta!r}")
+    written_in = meta.get("format") if isinstance(meta, dict) else None
+    if isinstance(written_in, str) and written_in != FORMAT_VERSION:
+        raise ForeignChunkError(f"written in chunk format {written_in!r}; this instance reads {FORMAT_VERSION!r}")
+    if written_in != FORMAT_VERSION:
+        raise ChunkVerificationError(f"no chunk format in the header ({meta!r:.80})")
     if meta.get("key") != expected_key:
         raise ChunkVerificationError(f"holds key {meta.get('key')!r}, expected {expected_key!r}")
     if not isinstance(entry, dict) or entry.get("dtype") not in _DTYPES:
@@ -237,14 +272,19 @@ def parse_header(data: memoryview | bytes | bytearray, expected_key: str,
         raise ChunkVerificationError(f"payload offsets {offsets!r} do not match the shape's {nbytes} bytes")
     digest = meta.get(seal.field_name)
     if not isinstance(digest, str):
-        if seal.is_mac:
-            raise ChunkVerificationError(
+        if seal.is_mac and isinstance(meta.get(CHECKSUM), str):
+            raise ForeignChunkError(
                 "no chunk MAC: the chunk was written without the chunk auth secret this instance requires")
-        if isinstance(meta.get(MAC_FIELD), str):
-            raise ChunkVerificationError(
+        if not seal.is_mac and isinstance(meta.get(MAC_FIELD), str):
+            raise ForeignChunkError(
                 "the chunk is sealed with a chunk auth secret (chunk_auth_key_file) this instance does not have")
-        raise ChunkVerificationError(f"no {CHECKSUM} checksum in the header")
-    return ChunkHeader(expected_key, dtype, tuple(shape), digest, seal, 8 + hlen, nbytes)
+        raise ChunkVerificationError(f"no {seal.field_name} seal in the header")
+    key_id = meta.get(KEY_ID_FIELD)
+    if seal.is_mac and key_id is not None and key_id != seal.key_id:
+        raise ForeignChunkError(
+            f"sealed with another chunk auth secret (mac_key_id {key_id!r:.40}, this instance's is {seal.key_id!r})")
+    return ChunkHeader(expected_key, dtype, tuple(shape), digest, seal, 8 + hlen, nbytes,
+                       own_seal=not seal.is_mac or key_id is not None)
 
 
 def verify(header: ChunkHeader, payload: memoryview | bytes | bytearray) -> None:
@@ -258,9 +298,12 @@ def verify(header: ChunkHeader, payload: memoryview | bytes | bytearray) -> None
 def check_digest(header: ChunkHeader, actual: str) -> None:
     """Raise :class:`ChunkVerificationError` unless ``actual`` is the digest ``header`` holds."""
     if not hmac.compare_digest(actual, header.checksum):
+        if not header.own_seal:
+            raise ForeignChunkError(
+                "MAC mismatch: the chunk is damaged or was written with another chunk auth secret "
+                "(it names no mac_key_id)")
         if header.seal.is_mac:
-            raise ChunkVerificationError(
-                "MAC mismatch: the chunk is damaged or was written with another chunk auth secret")
+            raise ChunkVerificationError("MAC mismatch: the chunk is damaged (it names this instance's secret)")
         raise ChunkVerificationError("checksum mismatch: the chunk bytes are damaged")
 
 

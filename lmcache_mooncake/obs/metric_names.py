@@ -65,6 +65,9 @@ FAMILIES: tuple[Family, ...] = (
        {"lmcm_mooncake_write_errors": "store", "lmcm_disk_write_errors": "disk"}, "tier"),
     _c("bad_removed", "Damaged chunks removed from a tier so that a good copy can replace them.",
        {"store_bad_removed": "store"}, "tier"),
+    _c("foreign_kept", "Chunks that failed this instance's check because another chunk format version or chunk "
+       "auth secret wrote them: misses here, left in place for the instances that can read them.",
+       {"disk_foreign_kept": "disk", "store_foreign_kept": "store"}, "tier"),
     _c("store_reads", "Chunks read from the store, by path: direct (straight into LMCache's buffer, tcp mode) "
        "or staged (through the client's staging region, one copy more).",
        {"store_direct_reads": "direct", "store_staged_reads": "staged"}, "path"),

@@ -7,7 +7,9 @@ so "is it there?" is a ``stat``. It is loaded through LMCache's remote-storage
 plug-in mechanism, so LMCache's engine treats it as the tier after its CPU tier.
 
 Every file is a verified chunk (:mod:`lmcache_mooncake.chunks.chunk_format`); a file
-that fails its check is a miss, is counted, logged and removed. Reads go
+that fails its check is a miss, is counted, logged and removed, unless another
+format version or chunk auth secret wrote it (``ForeignChunkError``: kept for
+the instances that share the folder and can read it). Reads go
 straight into LMCache's buffer (``readinto``) and are checked there: one copy.
 With ``verify_on_lookup`` a lookup reads and checks each chunk it has not
 checked before and keeps it in the CPU tier, so the load that follows copies
@@ -177,8 +179,15 @@ class DiskTierConnector(VerifiedTier):
                 self._total -= size
             self._verified.pop(path, None)
 
-    def _discard_bad(self, path: Path, why: str) -> None:
+    def _discard_bad(self, path: Path, why: chunk_format.ChunkVerificationError) -> None:
+        """Count a chunk that failed its check and remove it, unless another format version or
+        chunk auth secret wrote it (a folder may be shared): that one stays for its writers."""
         self.stats.add("disk_verify_failures")
+        if isinstance(why, chunk_format.ForeignChunkError):
+            self.stats.add("disk_foreign_kept")
+            logger.warning("disk tier: chunk %s is not this instance's to read (%s); kept, will recompute",
+                           path, why)
+            return
         logger.warning("disk tier: chunk %s failed verification (%s); removed, will recompute", path, why)
         try:
             path.unlink()
@@ -203,7 +212,7 @@ class DiskTierConnector(VerifiedTier):
                     raise chunk_format.ChunkVerificationError(
                         f"file is {st.st_size} bytes, its header says {header.total_nbytes}")
             except chunk_format.ChunkVerificationError as e:
-                self._discard_bad(path, str(e))
+                self._discard_bad(path, e)
                 return None
             obj = self._allocate(header, busy_loop=busy_loop)
             if obj is None:
@@ -216,7 +225,7 @@ class DiskTierConnector(VerifiedTier):
                 chunk_format.verify(header, payload)
             except chunk_format.ChunkVerificationError as e:
                 obj.ref_count_down()
-                self._discard_bad(path, str(e))
+                self._discard_bad(path, e)
                 return None
         with self._lock:
             self._verified[str(path)] = (st.st_size, st.st_mtime_ns)
@@ -273,7 +282,7 @@ class DiskTierConnector(VerifiedTier):
                     offset += got
                 chunk_format.check_digest(header, hasher.hexdigest())
             except chunk_format.ChunkVerificationError as e:
-                self._discard_bad(path, str(e))
+                self._discard_bad(path, e)
                 return False
         self.stats.add("disk_hits")
         self.stats.add("disk_bytes_read", size)
@@ -293,7 +302,7 @@ class DiskTierConnector(VerifiedTier):
             header = chunk_format.parse_header(data, key.to_string(), self.ctx.seal)
             chunk_format.verify(header, memoryview(data)[header.payload_offset :])
         except chunk_format.ChunkVerificationError as e:
-            self._discard_bad(path, str(e))
+            self._discard_bad(path, e)
             return False
         with self._lock:
             self._verified[str(path)] = (st.st_size, st.st_mtime_ns)

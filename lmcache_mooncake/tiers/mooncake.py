@@ -16,8 +16,12 @@ buffer (:mod:`lmcache_mooncake.store.direct`); the buffers of a get that timed
 out are never handed back (:mod:`lmcache_mooncake.tiers.quarantine`). Other
 objects (a short tail chunk, ``shm`` mode, where Mooncake writes only into the
 storage process's shared memory) arrive in the staging region and are copied
-once into LMCache's buffer. A chunk that fails its check is a miss, counted,
-logged and removed from the store (so a good copy can take its place).
+once into LMCache's buffer. A chunk that fails its check is a miss, counted
+and logged. It is removed from the store (so a good copy can take its place)
+only when it is damaged under this instance's own format and seal: a chunk
+written in another ``FORMAT_VERSION`` or sealed with another chunk auth
+secret (:class:`~lmcache_mooncake.chunks.chunk_format.ForeignChunkError`) may
+be another instance's good chunk, and stays.
 Writes send the chunk's header and its payload as they lie (no encoded
 copy); the header is hashed once for all tiers.
 
@@ -310,15 +314,18 @@ class MooncakeTierConnector(VerifiedTier):
         self.stats.add("store_bytes_read", nbytes)
 
     def _reject(self, obj: MemoryObj | None, name: str, e: Exception, bad: list[str]) -> None:
-        """A chunk that failed its check: its buffer back to LMCache, counted, to be removed."""
+        """A chunk that failed its check: its buffer back to LMCache, counted, and to be
+        removed unless it is another writer's (another format or chunk auth secret)."""
         if obj is not None:
             obj.ref_count_down()
-        self._bad(name, e)
-        bad.append(name)
-
-    def _bad(self, name: str, e: Exception) -> None:
         self.stats.add("store_verify_failures")
+        if isinstance(e, chunk_format.ForeignChunkError):
+            self.stats.add("store_foreign_kept")
+            logger.warning("Mooncake tier: chunk %s is not this instance's to read (%s); recomputing, "
+                           "the chunk stays in the store for the instances that wrote it", name, e)
+            return
         logger.warning("Mooncake tier: chunk %s failed verification (%s); recomputing", name, e)
+        bad.append(name)
 
     def _remove_bad(self, client: StoreClient, names: list[str]) -> None:
         """Remove objects that failed their check: the store keeps the first value put under
