@@ -31,8 +31,12 @@ start decode env LMCACHE_MOONCAKE_RUN_DIR="$WORK/decode-run" VLLM_CPU_OMP_THREAD
 wait_ready prefill "http://127.0.0.1:$P_PORT" "$PREFILL_PID"
 wait_ready decode "http://127.0.0.1:$D_PORT"
 
-# 3. The proxy: clients use http://127.0.0.1:$X_PORT/v1 as an OpenAI endpoint.
-start proxy "$LMCM" proxy --prefill "http://127.0.0.1:$P_PORT" --decode "http://127.0.0.1:$D_PORT" --port "$X_PORT"
+# 3. The proxy: clients use http://127.0.0.1:$X_PORT/v1 as an OpenAI endpoint (it binds 127.0.0.1;
+#    --host 0.0.0.0 serves other hosts). With --model, --dtype and --config it names each prompt's
+#    chunks as the workers do: prefix routing, and a prompt the store holds skips prefill.
+#    Without --model it routes round-robin and always prefills.
+start proxy "$LMCM" proxy --prefill "http://127.0.0.1:$P_PORT" --decode "http://127.0.0.1:$D_PORT" --port "$X_PORT" \
+  --model "$MODEL" --dtype float32 --config configs/decode.yaml
 wait_ready proxy "http://127.0.0.1:$X_PORT"
 
 # 4. A request through the proxy: the decode instance loads what the prefill instance stored.
