@@ -169,3 +169,162 @@ def test_a_changed_figure_is_caught_in_the_summary_and_in_the_page():
 
 def test_performance_page_is_at_most_250_lines():
     assert len((DOCS / "performance.md").read_text().splitlines()) <= 250
+
+
+# -- every YAML key and command-line flag the docs show exists --------------------------------
+
+#: What users read: the README, docs/ and the examples' pages.
+READ_DOCS = [REPO / "README.md", *sorted(DOCS.glob("*.md")), *sorted((REPO / "examples").glob("*.md"))]
+_SHELL_BLOCK = ("bash", "sh", "shell", "console")
+
+
+def doc_blocks(text: str) -> list[tuple[str, str]]:
+    """``(language, body)`` of every fenced block."""
+    return re.findall(r"^```([\w-]*)\n(.*?)^```", text, re.S | re.M)
+
+
+def yaml_blocks() -> list[tuple[str, str]]:
+    return [(doc.name, body) for doc in READ_DOCS for lang, body in doc_blocks(doc.read_text()) if lang == "yaml"]
+
+
+def test_docs_show_yaml_configurations():
+    assert len(yaml_blocks()) >= 2
+
+
+@pytest.mark.parametrize("doc, body", yaml_blocks())
+def test_yaml_block_is_a_configuration_that_loads(doc, body, tmp_path):
+    # Every key of the block exists, with a value of its type: the block is what a user copies.
+    path = tmp_path / "block.yaml"
+    path.write_text(body)
+    config.load_config(path, environ={})
+
+
+def test_every_config_table_names_real_keys_with_their_defaults():
+    """Tables whose first column is ``key`` (docs/configuration.md, docs/mooncake.md, ...): a
+    section heading that names ``mooncake`` lists :class:`config.MooncakeConfig`'s keys."""
+    seen = 0
+    for doc in READ_DOCS:
+        for heading, table in doc_tables(doc.read_text()).items():
+            cls = config.MooncakeConfig if "mooncake" in heading.lower() else config.CacheConfig
+            known = {f.name: f for f in fields(cls)}
+            assert set(table) <= set(known), f"{doc.name}, {heading!r}: no such keys {sorted(set(table) - set(known))}"
+            for name, row in table.items():
+                seen += 1
+                if "default" in row:
+                    assert doc_default(cls, name, row["default"]) == known[name].default, (
+                        f"{doc.name}, {heading!r}: {name} defaults to {known[name].default!r}, not {row['default']}")
+    assert seen >= len(fields(config.CacheConfig)) + len(fields(config.MooncakeConfig))
+
+
+def test_every_config_key_is_documented():
+    text = CONFIG_DOC.read_text()
+    for cls in (config.CacheConfig, config.MooncakeConfig):
+        missing = [f.name for f in fields(cls) if f"| `{f.name}` |" not in text]
+        assert not missing, f"docs/configuration.md lacks {cls.__name__} keys {missing}"
+
+
+_COMMAND = re.compile(r"(?:^|[\s;&|(`'\"])(?:[\w./~$-]*/)?lmcache-mooncake((?:\s+[^\s|;&#`)'\"]+)*)")
+
+
+def command_uses() -> list[tuple[str, list[str]]]:
+    """``(doc, argv after lmcache-mooncake)`` for each command the docs show: in shell blocks,
+    unlabelled blocks and inline code (for those two only when the word after it is a command,
+    so a quoted log line is not taken for one)."""
+    from lmcache_mooncake.cli import COMMANDS
+
+    out = []
+    for doc in READ_DOCS:
+        text = doc.read_text()
+        places = [(lang in _SHELL_BLOCK, body) for lang, body in doc_blocks(text) if lang in (*_SHELL_BLOCK, "")]
+        places += [(False, span) for span in re.findall(r"`([^`\n]*lmcache-mooncake [^`\n]*)`", text)]
+        for shell, body in places:
+            for line in body.replace("\\\n", " ").splitlines():
+                for m in _COMMAND.finditer(line.split(" #")[0]):
+                    argv = m.group(1).split()
+                    if argv and (shell or argv[0] in COMMANDS):
+                        out.append((doc.name, argv))
+    return out
+
+
+def shown_flags(argv: list[str]) -> list[str]:
+    """The ``--flags`` of an argv as the docs write it (``[--json]``, ``--set=K=V``); the value
+    after ``--vllm-arg`` is vLLM's, not ours."""
+    flags, skip = [], False
+    for token in argv:
+        if skip:
+            skip = False
+            continue
+        m = re.match(r"[\[(]*(--[a-z][a-z0-9-]*)", token)
+        if m:
+            flags.append(m.group(1))
+            skip = m.group(1) == "--vllm-arg" and "=" not in token
+    return flags
+
+
+def _options(parser) -> set[str]:
+    return {o for a in parser._actions for o in a.option_strings}
+
+
+def _subparsers(parser) -> dict:
+    import argparse
+
+    return next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), {})
+
+
+_VLLM_FLAGS: set[str] = set()
+
+
+def vllm_flags() -> set[str]:
+    """The flags of vLLM's OpenAI server, where ``serve`` passes what it does not know."""
+    if not _VLLM_FLAGS:
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        _VLLM_FLAGS.update(_options(make_arg_parser(FlexibleArgumentParser())))
+    return _VLLM_FLAGS
+
+
+def test_docs_show_commands_with_flags():
+    uses = command_uses()
+    assert len(uses) >= 40 and sum(len(shown_flags(a)) for _, a in uses) >= 60
+
+
+def test_every_flag_the_docs_show_exists():
+    """Each ``lmcache-mooncake COMMAND [ACTION] --flag`` in the docs: the command (and the
+    ``store`` action) exists, and so does each flag in that command's parser (built, not run);
+    ``serve``'s other flags in vLLM's server."""
+    from lmcache_mooncake.cli import COMMANDS, build_parser
+
+    wrong = []
+    parsers: dict[str, object] = {}
+    for doc, argv in command_uses():
+        if argv[0].startswith("-"):
+            wrong += [f"{doc}: lmcache-mooncake {f}" for f in shown_flags(argv) if f not in ("--help", "--version")]
+            continue
+        if argv[0] not in COMMANDS:
+            wrong.append(f"{doc}: no command {argv[0]!r} (lmcache-mooncake {' '.join(argv)})")
+            continue
+        if argv[0] not in parsers:
+            parsers[argv[0]] = build_parser(argv[0])[1]
+        parser, rest = parsers[argv[0]], argv[1:]
+        actions = _subparsers(parser)
+        if actions and rest and not rest[0].startswith("-"):
+            if rest[0] not in actions:
+                wrong.append(f"{doc}: no action {rest[0]!r} of {argv[0]}")
+                continue
+            parser = actions[rest[0]]
+        known = _options(parser)
+        for flag in shown_flags(rest):
+            if flag in known or (argv[0] == "serve" and flag in vllm_flags()):
+                continue
+            wrong.append(f"{doc}: lmcache-mooncake {argv[0]} has no {flag} ({' '.join(argv)})")
+    assert wrong == []
+
+
+def test_the_flag_check_sees_a_flag_that_does_not_exist():
+    from lmcache_mooncake.cli import build_parser
+
+    argv = "proxy --prefill URL --decode URL --port 9000 [--hots 0.0.0.0]".split()
+    assert shown_flags(argv) == ["--prefill", "--decode", "--port", "--hots"]
+    assert "--hots" not in _options(build_parser("proxy")[1])
+    assert shown_flags(["up", "--vllm-arg", "--dtype", "--port", "1"]) == ["--vllm-arg", "--port"]
