@@ -38,14 +38,8 @@ import torch
 
 from lmcache_mooncake.chunks.keys import BLOCKS, TOKENS
 from lmcache_mooncake.kv import block_chunks
-from lmcache_mooncake.kv.layouts import (
-    CpuAttnLayout,
-    GpuPagedLayout,
-    PagedKV,
-    PagedLayout,
-    gather_chunk,
-    scatter_chunk,
-)
+from lmcache_mooncake.kv.layouts import CpuAttnLayout, GpuPagedLayout, PagedLayout
+from lmcache_mooncake.kv.paged_copy import PagedKV, gather_chunk, scatter_chunk
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "layout_copy.json"
 

@@ -3,7 +3,7 @@
 Three things of ours are handed to LMCache's in-process engine:
 
 - :class:`PagedKVCopier`, LMCache's "GPU connector" role: it copies between
-  vLLM's paged KV and LMCache's chunk buffers with :mod:`layouts`, or
+  vLLM's paged KV and LMCache's chunk buffers with :mod:`paged_copy`, or
   :mod:`block_chunks` where chunks keep the paged blocks' own bytes
   (LMCache's own copy path is CUDA-only and finds nothing on a CPU).
 - :class:`ChunkKeyDatabase`, LMCache's token-database role: it names chunks
@@ -37,7 +37,7 @@ from lmcache.v1.token_database import TokenDatabase
 
 from lmcache_mooncake.chunks.keys import BLOCKS, TOKENS, KeyNamespace, chunk_keys
 from lmcache_mooncake.config import CacheConfig, MooncakeConfig
-from lmcache_mooncake.kv import block_chunks, layouts
+from lmcache_mooncake.kv import block_chunks, layouts, paged_copy
 from lmcache_mooncake.runtime import prefault
 from lmcache_mooncake.store.client import StoreEndpoint
 from lmcache_mooncake.tiers import disk, mooncake
@@ -168,15 +168,15 @@ class PagedKVCopier(GPUConnectorInterface):
         #: Chunks keep the paged blocks' own bytes (:mod:`block_chunks`), else token-major.
         self.blocks = chunk_layout == BLOCKS
         # The paged tensors, validated once (vLLM passes the same list every step).
-        self._paged: layouts.PagedKV | None = None
+        self._paged: paged_copy.PagedKV | None = None
 
-    def paged_kv(self, kvcaches: list[torch.Tensor]) -> layouts.PagedKV:
-        """vLLM's paged tensors as one validated :class:`layouts.PagedKV` (kept while vLLM passes the same ones)."""
+    def paged_kv(self, kvcaches: list[torch.Tensor]) -> paged_copy.PagedKV:
+        """vLLM's paged tensors as one validated :class:`paged_copy.PagedKV` (kept while vLLM passes the same ones)."""
         paged = self._paged
         if paged is None or len(paged.kv_caches) != len(kvcaches) or any(
             a is not b for a, b in zip(paged.kv_caches, kvcaches, strict=True)
         ):
-            paged = self._paged = layouts.PagedKV(self.layout, kvcaches)
+            paged = self._paged = paged_copy.PagedKV(self.layout, kvcaches)
         return paged
 
     def get_shape(self, num_tokens: int) -> torch.Size:

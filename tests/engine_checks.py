@@ -19,7 +19,7 @@ from lmcache_mooncake import engine
 from lmcache_mooncake.chunks import namespaces
 from lmcache_mooncake.chunks.keys import KeyNamespace
 from lmcache_mooncake.config import CacheConfig
-from lmcache_mooncake.kv import layouts
+from lmcache_mooncake.kv import layouts, paged_copy
 
 L, H, D, N, B = 2, 2, 64, 16, 96
 NS = KeyNamespace("m", "float32", L, H, D, 256)
@@ -73,8 +73,8 @@ def check_store_then_fresh_engine_loads_bit_exact(tmp_path, kv):
         assert bool(ret.all())
         chunk_in = torch.empty(2, L, 600, H * D)
         chunk_out = torch.empty(2, L, 600, H * D)
-        layouts.gather_chunk(reader.gpu_connector.layout, kv, slots, chunk_in)
-        layouts.gather_chunk(reader.gpu_connector.layout, out, slots, chunk_out)
+        paged_copy.gather_chunk(reader.gpu_connector.layout, kv, slots, chunk_in)
+        paged_copy.gather_chunk(reader.gpu_connector.layout, out, slots, chunk_out)
         assert torch.equal(chunk_in, chunk_out)
     finally:
         engine.close_engine(reader, rname)
@@ -206,8 +206,8 @@ def check_prefault_makes_the_cpu_pool_resident(tmp_path, kv):
             out = [torch.zeros_like(t) for t in kv]
             assert bool(eng.retrieve(tokens, mask=None, kvcaches=out, slot_mapping=slots, request_configs=rc).all())
             flat_in, flat_out = torch.empty(2, L, 600, H * D), torch.empty(2, L, 600, H * D)
-            layouts.gather_chunk(eng.gpu_connector.layout, kv, slots, flat_in)
-            layouts.gather_chunk(eng.gpu_connector.layout, out, slots, flat_out)
+            paged_copy.gather_chunk(eng.gpu_connector.layout, kv, slots, flat_in)
+            paged_copy.gather_chunk(eng.gpu_connector.layout, out, slots, flat_out)
             assert torch.equal(flat_in, flat_out)
         finally:
             engine.close_engine(eng, name)
@@ -240,8 +240,8 @@ def check_blocks_chunks_load_bit_exact_from_disk(tmp_path, kv):
         assert bool(ret.all())
         want = torch.empty(2, L, 600, H * D)
         got = torch.empty(2, L, 600, H * D)
-        layouts.gather_chunk(reader.gpu_connector.layout, kv, slots, want)
-        layouts.gather_chunk(reader.gpu_connector.layout, out, slots, got)
+        paged_copy.gather_chunk(reader.gpu_connector.layout, kv, slots, want)
+        paged_copy.gather_chunk(reader.gpu_connector.layout, out, slots, got)
         assert torch.equal(got[:, :, skip:end], want[:, :, skip:end])
         assert not got[:, :, :skip].any() and not got[:, :, end:].any()
         # Nothing outside the loaded tokens' slots was written.
@@ -249,7 +249,7 @@ def check_blocks_chunks_load_bit_exact_from_disk(tmp_path, kv):
         written[slots[skip:end]] = True
         others = (~written).nonzero().squeeze(1)
         rest = torch.empty(2, L, others.numel(), H * D)
-        layouts.gather_chunk(reader.gpu_connector.layout, out, others, rest)
+        paged_copy.gather_chunk(reader.gpu_connector.layout, out, others, rest)
         assert not rest.any()
     finally:
         engine.close_engine(reader, rname)
@@ -307,15 +307,15 @@ def check_worker_loads_disk_chunks_straight_into_paged_kv(tmp_path, kv):
     want = torch.empty(2, L, 600, H * D)
     got = torch.empty(2, L, 600, H * D)
     layout = layouts.layout_for_backend("CPU_ATTN")
-    layouts.gather_chunk(layout, kv, torch.tensor(slots), want)
-    layouts.gather_chunk(layout, out, torch.tensor(slots), got)
+    paged_copy.gather_chunk(layout, kv, torch.tensor(slots), want)
+    paged_copy.gather_chunk(layout, out, torch.tensor(slots), got)
     assert torch.equal(got[:, :, skip:end], want[:, :, skip:end])
     assert (got[:, :, :skip] == 7).all() and (got[:, :, end:] == 7).all()
     written = torch.zeros(B * N, dtype=torch.bool)
     written[torch.tensor(slots[skip:end])] = True
     others = (~written).nonzero().squeeze(1)
     rest = torch.empty(2, L, others.numel(), H * D)
-    layouts.gather_chunk(layout, out, others, rest)
+    paged_copy.gather_chunk(layout, out, others, rest)
     assert (rest == 7).all()
 
     data = bytearray(files[1].read_bytes())

@@ -7,8 +7,9 @@ import pytest
 import torch
 from test_layouts import same_bits, same_view, storage_bytes, vllm_kv_caches, whole_block_slots
 
-from lmcache_mooncake.kv import block_chunks, layouts
-from lmcache_mooncake.kv.layouts import CpuAttnLayout, GpuPagedLayout, gather_chunk, scatter_chunk
+from lmcache_mooncake.kv import block_chunks, paged_copy
+from lmcache_mooncake.kv.layouts import CpuAttnLayout, GpuPagedLayout
+from lmcache_mooncake.kv.paged_copy import gather_chunk, scatter_chunk
 
 L, BLOCKS, H, N, D = 3, 10, 2, 16, 8
 
@@ -23,7 +24,7 @@ def caches(seed: int, apart: bool = False, dtype: torch.dtype = torch.float32) -
 def test_a_blocks_chunk_holds_each_whole_block_as_the_cache_stores_it_then_a_token_major_tail():
     layout = CpuAttnLayout("vec")
     kv = caches(1)
-    paged = layouts.PagedKV(layout, kv)
+    paged = paged_copy.PagedKV(layout, kv)
     slots = whole_block_slots([4, 1, 7], N, 0, 5)  # two whole blocks and 5 tokens of a third
     buf = torch.empty(2, L, slots.numel(), H * D)
     block_chunks.gather(paged, slots, buf)
@@ -60,7 +61,7 @@ def test_blocks_chunks_copy_what_token_major_chunks_copy(order, tail, lo, hi, ap
     t = slots.numel()
     hi = t if hi is None else hi
     buf = torch.empty(2, L, t, H * D)
-    block_chunks.gather(layouts.PagedKV(layout, src_kv), slots, buf)
+    block_chunks.gather(paged_copy.PagedKV(layout, src_kv), slots, buf)
     tokens = torch.empty(2, L, t, H * D)
     gather_chunk(layout, src_kv, slots, tokens)
 
@@ -70,7 +71,7 @@ def test_blocks_chunks_copy_what_token_major_chunks_copy(order, tail, lo, hi, ap
     if hi > lo:
         scatter_chunk(layout, [same_view(kv, expected[kv.untyped_storage().data_ptr()]) for kv in dst_kv],
                       dst_slots[lo:hi], tokens[:, :, lo:hi])
-    block_chunks.scatter(layouts.PagedKV(layout, dst_kv), dst_slots, buf, lo, hi)
+    block_chunks.scatter(paged_copy.PagedKV(layout, dst_kv), dst_slots, buf, lo, hi)
     for kv in dst_kv:
         assert torch.equal(storage_bytes(kv), expected[kv.untyped_storage().data_ptr()]), \
             "a blocks-chunk copy wrote other bytes than the token-major one"
@@ -83,22 +84,22 @@ def test_slots_that_are_not_whole_blocks_still_copy_right():
     gen = torch.Generator().manual_seed(5)
     slots = torch.randperm(BLOCKS * N, generator=gen)[: 2 * N + 3]
     buf = torch.empty(2, L, slots.numel(), H * D)
-    paged = layouts.PagedKV(layout, kv)
+    paged = paged_copy.PagedKV(layout, kv)
     block_chunks.gather(paged, slots, buf)
     other = caches(6)
     expected = storage_bytes(other[0]).clone()
     tokens = torch.empty_like(buf)
     gather_chunk(layout, kv, slots, tokens)
     scatter_chunk(layout, [same_view(t, expected) for t in other], slots, tokens)
-    block_chunks.scatter(layouts.PagedKV(layout, other), slots, buf, 0, slots.numel())
+    block_chunks.scatter(paged_copy.PagedKV(layout, other), slots, buf, 0, slots.numel())
     assert torch.equal(storage_bytes(other[0]), expected)
     back = torch.empty_like(buf)
-    block_chunks.gather(layouts.PagedKV(layout, other), slots, back)
+    block_chunks.gather(paged_copy.PagedKV(layout, other), slots, back)
     assert same_bits(back, buf)
 
 
 def test_bad_arguments_raise():
-    paged = layouts.PagedKV(CpuAttnLayout("vec"), caches(7))
+    paged = paged_copy.PagedKV(CpuAttnLayout("vec"), caches(7))
     slots = whole_block_slots([1, 2], N)
     with pytest.raises(ValueError, match="contiguous"):
         block_chunks.gather(paged, slots, torch.empty(2, L, H * D, 2 * N).transpose(2, 3))
@@ -127,12 +128,12 @@ def test_a_payload_read_into_its_targets_then_the_rest_scattered_writes_what_sca
     t = slots.numel()
     hi = t if hi is None else hi
     chunk = torch.empty(2, L, t, H * D)
-    block_chunks.gather(layouts.PagedKV(layout, src_kv), slots, chunk)
+    block_chunks.gather(paged_copy.PagedKV(layout, src_kv), slots, chunk)
     payload = bytes(chunk.view(-1).view(torch.uint8).numpy())
     dst_slots = whole_block_slots([9, 1, 2, 7][: len(order)], N, 0, tail)
-    block_chunks.scatter(layouts.PagedKV(layout, want_kv), dst_slots, chunk, lo, hi)
+    block_chunks.scatter(paged_copy.PagedKV(layout, want_kv), dst_slots, chunk, lo, hi)
 
-    paged = layouts.PagedKV(layout, dst_kv)
+    paged = paged_copy.PagedKV(layout, dst_kv)
     scratch = torch.full_like(chunk, float("nan"))
     views, rest = block_chunks.read_targets(paged, dst_slots.tolist(), t, _bytes(scratch), lo, hi)
     assert sum(len(v) for v in views) == len(payload)
@@ -168,7 +169,7 @@ def test_read_targets_refuses_paged_kv_it_cannot_read_into():
     kv = [torch.cat([t, t]).view(2, *t.shape).transpose(0, 1).reshape(2 * BLOCKS, *t.shape[1:])[::2]
           for t in caches(8, apart=True)]
     assert not kv[0].is_contiguous()
-    paged = layouts.PagedKV(CpuAttnLayout("vec"), kv)
+    paged = paged_copy.PagedKV(CpuAttnLayout("vec"), kv)
     slots = whole_block_slots([1, 2], N)
     assert paged.layer_bytes() is None
     assert block_chunks.read_targets(paged, slots.tolist(), 2 * N, _bytes(torch.empty(2, L, 2 * N, H * D)),
@@ -176,7 +177,7 @@ def test_read_targets_refuses_paged_kv_it_cannot_read_into():
 
 
 def test_read_targets_refuses_slots_outside_paged_kv():
-    paged = layouts.PagedKV(CpuAttnLayout("vec"), caches(9))
+    paged = paged_copy.PagedKV(CpuAttnLayout("vec"), caches(9))
     slots = whole_block_slots([BLOCKS - 1, BLOCKS], N)  # the second block is past the end
     with pytest.raises(ValueError, match="paged KV has 10"):
         block_chunks.read_targets(paged, slots.tolist(), 2 * N, _bytes(torch.empty(2, L, 2 * N, H * D)), 0, 2 * N)

@@ -9,7 +9,7 @@ bfloat16`` share one disk folder:
 - ``A``: the connector saves every prompt (gathered out of the tiles).
 - ``B``: a new process loads them (scattered into the tiles): greedy tokens
   equal the baseline's, every whole block is cached (vLLM's AMX kernel dies
-  when computing starts inside a block: ``layouts.load_granularity``).
+  when computing starts inside a block: ``cpu_isa.load_granularity``).
 - ``C``, the control: the same, after one stored chunk's KV was replaced by
   noise and sealed again (a valid chunk with wrong KV): its prompt's tokens
   change, so B's equality shows loaded KV is used where vLLM reads it.

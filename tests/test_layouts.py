@@ -31,19 +31,17 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lmcache_mooncake.kv import layouts
+from lmcache_mooncake.kv import cpu_isa
 from lmcache_mooncake.kv.layouts import (
     GPU_BACKENDS,
     SUPPORTED_BACKENDS,
     CpuAttnLayout,
     GpuPagedLayout,
-    KVShape,
     PagedLayout,
-    gather_chunk,
-    infer_kv_shape,
     layout_for_backend,
-    scatter_chunk,
 )
+from lmcache_mooncake.kv.paged_copy import PagedKV, gather_chunk, scatter_chunk
+from lmcache_mooncake.kv.shape import KVShape, infer_kv_shape
 
 KINDS = ("CPU_ATTN", "FLASH_ATTN")  # FLASHINFER and TRITON_ATTN are the same layout object
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -483,8 +481,8 @@ def test_layers_of_one_allocation_move_in_one_copy(kind, name):
         name, layers=layers, blocks=blocks, heads=heads, block_size=n, head_size=d, dtype=torch.float32, gen=gen
     )
     apart = [kv.clone() for kv in caches]
-    assert layouts.PagedKV(layout, caches)._all_layers is not None
-    assert layouts.PagedKV(layout, apart)._all_layers is None
+    assert PagedKV(layout, caches)._all_layers is not None
+    assert PagedKV(layout, apart)._all_layers is None
     slots = whole_block_slots([4, 1, 2, 5], n, 3, 5)
     src = rand((2, layers, slots.numel(), heads * d), torch.float32, gen)
     scatter_chunk(layout, caches, slots, src)
@@ -656,13 +654,13 @@ def test_amx_whole_blocks_and_a_partial_one_for_all_layers_match_vllm_kernel():
         torch.ops._C.cpu_attn_reshape_and_cache(chunk[0, layer].reshape(t, heads, d).contiguous(),
                                                 chunk[1, layer].reshape(t, heads, d).contiguous(),
                                                 key_cache, value_cache, slots, "amx", 1.0, 1.0, "auto")
-    paged = layouts.PagedKV(CpuAttnLayout("amx"), caches)
+    paged = PagedKV(CpuAttnLayout("amx"), caches)
     assert paged._all_layers is not None and paged._tiled
     out = torch.empty_like(chunk)
     paged.gather(slots, out)
     assert same_bits(out, chunk), "gather differs from what vLLM's AMX kernel wrote"
     ours = torch.zeros_like(flat)
-    layouts.PagedKV(CpuAttnLayout("amx"), list(ours.unbind(0))).scatter(slots, chunk)
+    PagedKV(CpuAttnLayout("amx"), list(ours.unbind(0))).scatter(slots, chunk)
     assert same_bits(ours, flat), "scatter does not write the bytes vLLM's AMX kernel writes"
 
 
@@ -670,15 +668,15 @@ def test_cpu_isa_resolution(monkeypatch):
     kv = torch.zeros(2, 1, 32, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="'neon' attention kernel is not supported"):
         CpuAttnLayout("neon")
-    monkeypatch.setattr(layouts, "_vllm_cpu_isa", lambda *args: "neon")
+    monkeypatch.setattr(cpu_isa, "vllm_cpu_isa", lambda *args: "neon")
     with pytest.raises(ValueError, match="'neon' attention kernel is not supported"):
         CpuAttnLayout().kv_shape(kv)
-    monkeypatch.setattr(layouts, "_vllm_cpu_isa", lambda *args: "amx")
+    monkeypatch.setattr(cpu_isa, "vllm_cpu_isa", lambda *args: "amx")
     assert CpuAttnLayout().kv_shape(kv) == (2, 1, 32, 64)
     with pytest.raises(ValueError, match="multiples of 16"):
         CpuAttnLayout("amx").kv_shape(torch.zeros(2, 1, 32, 48, dtype=torch.bfloat16))
     assert CpuAttnLayout("vec").kv_shape(kv) == (2, 1, 32, 64)  # pinned: no resolution
-    monkeypatch.setattr(layouts, "_vllm_cpu_isa", lambda *args: "vec16")
+    monkeypatch.setattr(cpu_isa, "vllm_cpu_isa", lambda *args: "vec16")
     assert layout_for_backend("CPU_ATTN").kv_shape(kv) == (2, 1, 32, 64)
 
 

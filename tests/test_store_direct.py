@@ -26,7 +26,7 @@ import os, signal, sys, time
 import torch
 from lmcache_mooncake import engine
 from lmcache_mooncake.chunks import chunk_format
-from lmcache_mooncake.kv import layouts
+from lmcache_mooncake.kv import layouts, paged_copy
 from lmcache_mooncake.config import CacheConfig, MooncakeConfig
 from lmcache_mooncake.chunks.keys import KeyNamespace
 from lmcache_mooncake.store.launcher import read_state
@@ -64,8 +64,8 @@ def load(eng):
     ret = eng.retrieve(tokens, mask=None, kvcaches=out, slot_mapping=slots, request_configs=rc)
     got = torch.empty(2, L, TOKENS, H * D)
     want = torch.empty(2, L, TOKENS, H * D)
-    layouts.gather_chunk(layout, out, slots, got)
-    layouts.gather_chunk(layout, kv, slots, want)
+    paged_copy.gather_chunk(layout, out, slots, got)
+    paged_copy.gather_chunk(layout, kv, slots, want)
     n = int(ret.sum())
     return hit, n, torch.equal(got[:, :, :n], want[:, :, :n])
 
@@ -205,8 +205,8 @@ elif check == "worker_shm":
     assert (c.get("store_staged_reads"), c.get("store_direct_reads", 0), staged_copies[0]) == (4, 0, 0), c
     got = torch.empty(2, L, TOKENS, H * D)
     want = torch.empty(2, L, TOKENS, H * D)
-    layouts.gather_chunk(layout, out, torch.tensor(bslots), got)
-    layouts.gather_chunk(layout, kv, torch.tensor(bslots), want)
+    paged_copy.gather_chunk(layout, out, torch.tensor(bslots), got)
+    paged_copy.gather_chunk(layout, kv, torch.tensor(bslots), want)
     assert torch.equal(got[:, :, N:TOKENS - 1], want[:, :, N:TOKENS - 1])
     assert (got[:, :, :N] == 7).all() and (got[:, :, TOKENS - 1:] == 7).all()
 

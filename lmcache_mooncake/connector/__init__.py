@@ -36,7 +36,7 @@ from lmcache_mooncake.connector.lookup import LookupClient, lookup_socket_path
 from lmcache_mooncake.connector.metadata import StepMetadata
 from lmcache_mooncake.connector.scheduler import SchedulerSide
 from lmcache_mooncake.connector.worker import WorkerSide
-from lmcache_mooncake.kv import layouts
+from lmcache_mooncake.kv import cpu_isa
 from lmcache_mooncake.obs.kv_events import ChunkEvents
 from lmcache_mooncake.obs.logs import setup_logging
 from lmcache_mooncake.obs.metrics import LMCacheMooncakePromMetrics, LMCacheMooncakeStats
@@ -115,7 +115,7 @@ class LMCacheMooncakeConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerSide(
                 self.cfg, block_size, LookupClient(socket, self.cfg.lookup_timeout), save=save, load=load,
                 stats_path=self.run_dir / "stats-scheduler.json",
-                load_granularity=layouts.load_granularity(vllm_config),
+                load_granularity=cpu_isa.load_granularity(vllm_config),
             )
         else:
             from vllm.distributed.parallel_state import (

@@ -38,7 +38,7 @@ from lmcache.utils import CacheEngineKey
 
 from lmcache_mooncake.engine import context
 from lmcache_mooncake.kv import block_chunks
-from lmcache_mooncake.kv.layouts import PagedKV
+from lmcache_mooncake.kv.paged_copy import PagedKV
 from lmcache_mooncake.tiers import disk, mooncake
 
 #: One chunk of a load: ``(start, end, key)`` as the key database yields it.

@@ -124,7 +124,7 @@ class SchedulerSide:
         self.cfg = cfg
         self.block_size = block_size
         #: Loads end on a multiple of this many tokens (1: any token; a block where the
-        #: attention kernel cannot start computing inside a block, see layouts.load_granularity).
+        #: attention kernel cannot start computing inside a block, see cpu_isa.load_granularity).
         self.load_granularity = max(1, int(load_granularity))
         self.lookup_client = lookup
         self.save_enabled = save

@@ -35,7 +35,7 @@ from collections.abc import Iterator
 
 import torch
 
-from lmcache_mooncake.kv.layouts import PagedKV
+from lmcache_mooncake.kv.paged_copy import PagedKV
 
 
 def _parts(paged: PagedKV, buf: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
@@ -60,7 +60,7 @@ def _parts(paged: PagedKV, buf: torch.Tensor) -> tuple[int, torch.Tensor, torch.
 def _block_kv_views(paged: PagedKV, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of a chunk's whole-block part as ``[L, n, N, H, D]`` views (the layout's views)."""
     layers, n = blocks.shape[:2]
-    k, v = paged.layout._kv_views(blocks.view(layers * n, *paged.block_shape))
+    k, v = paged.layout.kv_views(blocks.view(layers * n, *paged.block_shape))
     return k.unflatten(0, (layers, n)), v.unflatten(0, (layers, n))
 
 
