@@ -26,11 +26,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from lmcache_mooncake.chunks import keys
+from lmcache_mooncake.routing.app import build_app
 from lmcache_mooncake.routing.intake import IntakeLimits
 from lmcache_mooncake.routing.placement import RendezvousPlacement
 from lmcache_mooncake.routing.pool import HealthPolicy
 from lmcache_mooncake.routing.prompt_keys import PromptKeys
-from lmcache_mooncake.routing.proxy import ProxyConfig, build_app, main_proxy, normalize_url
+from lmcache_mooncake.routing.proxy import main_proxy
+from lmcache_mooncake.routing.router import ProxyConfig, normalize_url
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,5 +1,10 @@
-"""What the proxy needs to pick an instance, apart from HTTP.
+"""The prefill/decode proxy: the command, its HTTP app, its routing, and what routing needs.
 
+- :mod:`~lmcache_mooncake.routing.proxy`: ``lmcache-mooncake proxy`` (flags, start-up).
+- :mod:`~lmcache_mooncake.routing.app`: the FastAPI app and its lifespan.
+- :mod:`~lmcache_mooncake.routing.router`: :class:`ProxyConfig` and the work of each
+  endpoint (intake, prefill or direct decode, decode as JSON or a stream).
+- :mod:`~lmcache_mooncake.routing.relay`: the SSE relay and the client-disconnect race.
 - :mod:`~lmcache_mooncake.routing.intake`: read and check a client's request
   (size limit, read timeout, JSON, required fields) before anything is sent on.
 - :mod:`~lmcache_mooncake.routing.errors`: OpenAI-style errors for failed

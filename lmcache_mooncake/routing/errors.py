@@ -45,14 +45,16 @@ class UpstreamError(Exception):
         return JSONResponse(self.payload(), status_code=self.status, headers=headers)
 
 
-def error_payload(message: str, err_type: str, code: int) -> dict[str, Any]:
-    """The OpenAI error body (the same shape vLLM returns)."""
-    return {"error": {"message": message, "type": err_type, "param": None, "code": code}}
+def error_payload(message: str, err_type: str, code: int, param: str | None = None) -> dict[str, Any]:
+    """The OpenAI error body (the same shape vLLM returns); ``param`` names the request field at fault."""
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
-def error_response(status: int, message: str, err_type: str, request_id: str | None = None) -> JSONResponse:
+def error_response(status: int, message: str, err_type: str, request_id: str | None = None, *,
+                   param: str | None = None) -> JSONResponse:
+    """:func:`error_payload` as an HTTP ``status`` answer, with ``X-Request-Id`` when given."""
     headers = {"X-Request-Id": request_id} if request_id else None
-    return JSONResponse(error_payload(message, err_type, status), status_code=status, headers=headers)
+    return JSONResponse(error_payload(message, err_type, status, param), status_code=status, headers=headers)
 
 
 def upstream_message(body: bytes) -> str:
