@@ -328,3 +328,14 @@ def test_the_flag_check_sees_a_flag_that_does_not_exist():
     assert shown_flags(argv) == ["--prefill", "--decode", "--port", "--hots"]
     assert "--hots" not in _options(build_parser("proxy")[1])
     assert shown_flags(["up", "--vllm-arg", "--dtype", "--port", "1"]) == ["--vllm-arg", "--port"]
+
+
+def test_every_environment_variable_of_ours_is_documented():
+    """Each ``LMCACHE_MOONCAKE_*`` name the package reads is in docs/configuration.md (the
+    per-key overrides as the ``LMCACHE_MOONCAKE_<KEY>`` pattern)."""
+    pkg = REPO / "lmcache_mooncake"
+    names = {m for p in pkg.rglob("*.py") for m in re.findall(r"LMCACHE_MOONCAKE_[A-Z][A-Z_]*[A-Z]", p.read_text())}
+    keys = {config.ENV_PREFIX + f.name.upper() for f in fields(config.CacheConfig)}
+    text = CONFIG_DOC.read_text()
+    assert "LMCACHE_MOONCAKE_<KEY>" in text
+    assert len(names) >= 8 and sorted(n for n in names - keys if n not in text) == []
