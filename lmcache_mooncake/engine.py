@@ -37,7 +37,7 @@ from lmcache.v1.token_database import TokenDatabase
 
 from lmcache_mooncake.chunks.keys import BLOCKS, TOKENS, KeyNamespace, chunk_keys
 from lmcache_mooncake.config import CacheConfig, MooncakeConfig
-from lmcache_mooncake.kv import block_chunks, layouts, paged_copy
+from lmcache_mooncake.kv import block_chunks, device_copy, layouts, paged_copy
 from lmcache_mooncake.runtime import prefault
 from lmcache_mooncake.store.client import StoreEndpoint
 from lmcache_mooncake.tiers import disk, mooncake
@@ -169,6 +169,8 @@ class PagedKVCopier(GPUConnectorInterface):
         self.blocks = chunk_layout == BLOCKS
         # The paged tensors, validated once (vLLM passes the same list every step).
         self._paged: paged_copy.PagedKV | None = None
+        #: The host <-> device mover (:meth:`device_copier`); direct copies on CPU tensors.
+        self.copier: device_copy.DeviceCopier | None = None
 
     def paged_kv(self, kvcaches: list[torch.Tensor]) -> paged_copy.PagedKV:
         """vLLM's paged tensors as one validated :class:`paged_copy.PagedKV` (kept while vLLM passes the same ones)."""
@@ -188,27 +190,56 @@ class PagedKVCopier(GPUConnectorInterface):
     def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
         self.batched_to_gpu([memory_obj], [start], [end], **kwargs)
 
+    def device_copier(self, paged: paged_copy.PagedKV) -> device_copy.DeviceCopier:
+        """The worker's host <-> device mover for ``paged``'s device (:func:`device_copy.for_device`;
+        tests may set :attr:`copier` to their own)."""
+        if self.copier is None or self.copier.device != paged.device:
+            self.copier = device_copy.for_device(paged.device)
+        return self.copier
+
     def batched_from_gpu(self, memory_objs, starts, ends, **kwargs: Any) -> None:  # type: ignore[override]
+        """Copy each chunk's tokens from paged KV into its LMCache buffer; the bytes are in the
+        buffers when this returns. On CUDA: a gather on the device into a scratch buffer, one
+        asynchronous copy into the (pinned) buffer, on the copier's device-to-host stream, after
+        what the caller's stream has queued (the KV the model just wrote); see :mod:`device_copy`."""
         paged, slots = self.paged_kv(kwargs["kvcaches"]), kwargs["slot_mapping"]
-        for obj, start, end in zip(memory_objs, starts, ends, strict=True):
-            if self.blocks:
-                block_chunks.gather(paged, slots[start:end], obj.tensor)
-            else:
-                paged.gather(slots[start:end], obj.tensor)
+        copier = self.device_copier(paged)
+        if copier.is_cuda:
+            slots = paged.check_slots(slots)  # range-checked on the host, on the device once
+        handles = [copier.start_to_host(obj.tensor, functools.partial(block_chunks.gather, paged, slots[start:end]))
+                   if self.blocks else copier.start_chunk_to_host(paged, slots[start:end], obj.tensor)
+                   for obj, start, end in zip(memory_objs, starts, ends, strict=True)]
+        for handle in handles:
+            copier.synchronize(handle)
 
     def batched_to_gpu(self, memory_objs, starts, ends, **kwargs: Any) -> None:  # type: ignore[override]
+        """Write each chunk's tokens in ``[skip_leading_tokens, load_end)`` into paged KV; they are
+        there, for any stream, when this returns. On CUDA: one asynchronous copy of those tokens
+        from the (pinned) buffer into a device scratch buffer and a scatter from it on the device,
+        on the copier's host-to-device stream; see :mod:`device_copy`."""
         paged, slots = self.paged_kv(kwargs["kvcaches"]), kwargs["slot_mapping"]
         skip = int(kwargs.get("skip_leading_tokens", 0))
         stop = int(kwargs.get("load_end", len(slots)))
+        copier = self.device_copier(paged)
+        if copier.is_cuda:
+            slots = paged.check_slots(slots)
+        handles = []
         for obj, start, end in zip(memory_objs, starts, ends, strict=True):
             lo, hi = max(start, skip), min(end, stop)
             if hi <= lo:
                 continue
-            if self.blocks:
-                block_chunks.scatter(paged, slots[start:hi], obj.tensor, lo - start, hi - start)
+            if self.blocks:  # the whole chunk buffer: its blocks are not token-major
+                scatter = functools.partial(self._scatter_blocks, paged, slots[start:hi], lo - start, hi - start)
+                handles.append(copier.start_to_device(obj.tensor, scatter))
             else:
-                paged.scatter(slots[lo:hi], obj.tensor[:, :, lo - start : hi - start])
+                handles.append(copier.start_chunk_to_device(paged, slots[lo:hi],
+                                                            obj.tensor[:, :, lo - start : hi - start]))
+        for handle in handles:
+            copier.synchronize(handle)
 
+    @staticmethod
+    def _scatter_blocks(paged: paged_copy.PagedKV, slots: torch.Tensor, lo: int, hi: int, src: torch.Tensor) -> None:
+        block_chunks.scatter(paged, slots, src, lo, hi)
 
 def build_engine(
     cfg: CacheConfig,

@@ -54,6 +54,7 @@ checked again (see :func:`lmcache_mooncake.kv.layouts.PagedKV.check_slots`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -63,7 +64,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from lmcache_mooncake.kv.layouts import PagedKV
+    from lmcache_mooncake.kv.paged_copy import PagedKV
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +182,7 @@ class DeviceCopier:
             return CopyHandle(TO_HOST)
         lane = self._lanes[TO_HOST]
         with lane.enqueue():
-            if host.device == self.device:
+            if host.device.type != "cpu":  # already in device memory (e.g. LMCache's MLA broadcast)
                 fill(host)
                 return CopyHandle(TO_HOST, lane.record(), [host])
             scratch = lane.scratch(host)
@@ -208,7 +209,7 @@ class DeviceCopier:
             return CopyHandle(TO_DEVICE)
         lane = self._lanes[TO_DEVICE]
         with lane.enqueue():
-            if host.device == self.device:
+            if host.device.type != "cpu":  # already in device memory (e.g. LMCache's MLA broadcast)
                 drain(host)
                 return CopyHandle(TO_DEVICE, lane.record(), [host])
             scratch = lane.scratch(host)
@@ -223,7 +224,17 @@ class DeviceCopier:
             lane.record().synchronize()  # the staging buffer is free again once this returns
             return CopyHandle(TO_DEVICE)
 
-    # -- one layer --------------------------------------------------------------
+    # -- paged KV: whole chunks and single layers ----------------------------------------
+
+    def start_chunk_to_host(self, paged: PagedKV, slots: torch.Tensor, host: torch.Tensor) -> CopyHandle:
+        """Queue the copy of every layer's K and V at ``slots`` into ``host`` ``[2, L, T, H * D]``
+        (LMCache's ``KV_2LTD`` chunk buffer, as :meth:`PagedKV.gather` fills it)."""
+        return self._start_kv(paged, slots, host, None, TO_HOST)
+
+    def start_chunk_to_device(self, paged: PagedKV, slots: torch.Tensor, host: torch.Tensor) -> CopyHandle:
+        """Queue the write of ``host`` ``[2, L, T, H * D]`` (a chunk buffer or a token range of
+        one) into every layer at ``slots``; the inverse of :meth:`start_chunk_to_host`."""
+        return self._start_kv(paged, slots, host, None, TO_DEVICE)
 
     def start_layer_to_host(self, paged: PagedKV, layer: int, slots: torch.Tensor,
                             host: torch.Tensor) -> CopyHandle:
@@ -232,8 +243,7 @@ class DeviceCopier:
         :meth:`~lmcache_mooncake.kv.layouts.PagedLayout.gather`). For the layer-wise save:
         call it once the layer's attention has written its KV (on the caller's current
         stream), then :meth:`wait` before the host buffer is read."""
-        kv_layer = paged.kv_caches[layer]
-        return self.start_to_host(host, lambda dev: paged.layout.gather(kv_layer, slots, dev))
+        return self._start_kv(paged, slots, host, layer, TO_HOST)
 
     def start_layer_to_device(self, paged: PagedKV, layer: int, slots: torch.Tensor,
                               host: torch.Tensor) -> CopyHandle:
@@ -241,8 +251,21 @@ class DeviceCopier:
         inverse of :meth:`start_layer_to_host`). For the layer-wise load: start layer
         ``l + 1`` while layer ``l`` computes; :meth:`wait` on its handle right before the
         layer's attention reads its KV."""
-        kv_layer = paged.kv_caches[layer]
-        return self.start_to_device(host, lambda dev: paged.layout.scatter(kv_layer, slots, dev))
+        return self._start_kv(paged, slots, host, layer, TO_DEVICE)
+
+    def _start_kv(self, paged: PagedKV, slots: torch.Tensor, host: torch.Tensor, layer: int | None,
+                  direction: str) -> CopyHandle:
+        """The device side of a paged-KV copy: :func:`gather_tokens` / :func:`scatter_tokens` when
+        staged (GPU), the layout's own copies on CPU tensors (block runs, element plans)."""
+        into = direction == TO_DEVICE
+        if self.staged:
+            step = functools.partial(scatter_tokens if into else gather_tokens, paged, slots, layer=layer)
+        elif layer is None:
+            step = functools.partial(paged.scatter if into else paged.gather, slots)
+        else:
+            layout = paged.layout
+            step = functools.partial(layout.scatter if into else layout.gather, paged.kv_caches[layer], slots)
+        return self.start_to_device(host, step) if into else self.start_to_host(host, step)
 
     # -- waiting ------------------------------------------------------------------
 
@@ -268,6 +291,81 @@ class DeviceCopier:
         """``slots`` as an int64 tensor on this copier's device (copied once; see the module
         docstring). Check them first (``PagedKV.check_slots`` on the host tensor)."""
         return slots.to(device=self.device, dtype=torch.int64)
+
+
+# -- gathers and scatters on the device ------------------------------------------------
+
+
+def gather_tokens(paged: PagedKV, slots: torch.Tensor, out: torch.Tensor, layer: int | None = None) -> None:
+    """Copy K and V of the tokens at ``slots`` into ``out``: ``[2, L, T, H * D]`` from every
+    layer (``layer`` None, as :meth:`PagedKV.gather`), or ``[2, T, H * D]`` from one layer (as
+    :meth:`~lmcache_mooncake.kv.layouts.PagedLayout.gather`); the same bytes as those.
+
+    The staged (GPU) path's gather: one indexing kernel per K/V for all layers where they
+    are one allocation (:attr:`PagedKV.all_layers`), else one per layer, instead of the
+    element plans and block runs that suit the CPU. ``slots``: distinct slots, already
+    checked (:meth:`PagedKV.check_slots`): a device tensor is not range checked again, and
+    an index out of range would fault the device. Falls back to the layout's copies for a
+    tiled layout or a strided ``out``."""
+    _move_tokens(paged, slots, out, layer, into_paged=False)
+
+
+def scatter_tokens(paged: PagedKV, slots: torch.Tensor, src: torch.Tensor, layer: int | None = None) -> None:
+    """Write ``src`` into paged KV at ``slots``: the inverse of :func:`gather_tokens` (same
+    arguments; nothing else in paged KV changes)."""
+    _move_tokens(paged, slots, src, layer, into_paged=True)
+
+
+def _move_tokens(paged: PagedKV, slots: torch.Tensor, buf: torch.Tensor, layer: int | None,
+                 into_paged: bool) -> None:
+    pairs = _token_pairs(paged, slots, buf, layer)
+    if pairs is None:  # the layout's own copies
+        if layer is None:
+            (paged.scatter if into_paged else paged.gather)(slots, buf)
+        else:
+            layout = paged.layout
+            (layout.scatter if into_paged else layout.gather)(paged.kv_caches[layer], slots, buf)
+        return
+    index = _block_offsets(paged, slots)
+    for side, part in pairs:
+        if into_paged:
+            side[index] = part
+        else:
+            part.copy_(side[index])
+
+
+def _token_pairs(paged: PagedKV, slots: torch.Tensor, buf: torch.Tensor,
+                 layer: int | None) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """``(paged side, buffer side)`` pairs: K or V as ``[..., B, N, H, D]`` views of paged KV and
+    the matching ``[..., T, H, D]`` views of ``buf``; None where the layout's own copy must run
+    (tiled views, a strided buffer). Raises ``ValueError`` on a malformed buffer or slots."""
+    shape = paged.shape
+    tokens, heads, dim = slots.numel(), shape.num_kv_heads, shape.head_size
+    want = (2, tokens, heads * dim) if layer is not None else (2, shape.num_layers, tokens, heads * dim)
+    if slots.dim() != 1 or slots.dtype != torch.int64 or slots.device != paged.device:
+        raise ValueError(f"slots must be a 1-D int64 tensor on {paged.device} (PagedKV.check_slots), "
+                         f"got {slots.dtype} {tuple(slots.shape)} on {slots.device}")
+    if tuple(buf.shape) != want or buf.dtype != shape.dtype or buf.device != paged.device:
+        raise ValueError(f"chunk buffer must be {shape.dtype} {want} on {paged.device}, "
+                         f"got {buf.dtype} {tuple(buf.shape)} on {buf.device}")
+    views = paged.views
+    if any(side.dim() != 4 for side in views[0]) or not buf.is_contiguous():
+        return None
+    if layer is not None:
+        k, v = views[layer]
+        return [(k, buf[0].view(tokens, heads, dim)), (v, buf[1].view(tokens, heads, dim))]
+    stacked = paged.all_layers
+    if stacked is not None:
+        rows = buf.view(2, shape.num_layers, tokens, heads, dim)
+        return [(stacked[0], rows[0]), (stacked[1], rows[1])]
+    return [(side, buf[i, n].view(tokens, heads, dim)) for n, pair in enumerate(views) for i, side in enumerate(pair)]
+
+
+def _block_offsets(paged: PagedKV, slots: torch.Tensor) -> tuple[Any, torch.Tensor, torch.Tensor, slice, slice]:
+    """The index of ``slots`` into ``[..., B, N, H, D]`` views: ``[..., block, offset, :, :]``."""
+    blocks = torch.div(slots, paged.shape.block_size, rounding_mode="floor")
+    offsets = slots - blocks * paged.shape.block_size
+    return (Ellipsis, blocks, offsets, slice(None), slice(None))
 
 
 #: Most contiguous pieces one copy is split into (beyond, torch's own copy_ handles the strides).
