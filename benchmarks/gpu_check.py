@@ -5,31 +5,25 @@ runs the same code on the CPU (``tests/test_gpu_check.py`` does, with
 ``--quick``, so the script cannot rot). Checks, each a table row (JSON in
 ``benchmarks/results/gpu_check.json``):
 
-- ``copies``: paged KV as vLLM 0.32 allocates it (one buffer for all layers,
-  per-layer ``[B, H, N, 2D]`` views) for ``FLASH_ATTN`` in vLLM's default
-  physical order ``LBNHC`` (NHD) and ``FLASHINFER`` in ``LBHNC`` (HND, what
-  it asks for on SM100) and in the block-outer ``BLHNC``; bfloat16 and
-  float16; blocks of 16 and 128 tokens. Every chunk of a prompt (a partial
-  last chunk too) is saved through :class:`~lmcache_mooncake.kv.device_copy.DeviceCopier`
-  into pinned host chunk buffers and loaded back into a fresh paged tensor at
-  other blocks, and again for a load that starts and ends inside a chunk.
-  Bit-exact (random bit patterns, compared as integers) against the source
-  tokens read straight from the physical buffer; blocks not loaded stay
-  untouched. GB/s of save and load against pinned ``cudaMemcpyAsync``
-  (device -> host, host -> device) of the same bytes, timed in the same run.
-- ``tiers``: the same through LMCache's engine with our copier
-  (:func:`lmcache_mooncake.engine.build_engine`): the CPU tier timed against
-  the same memcpy (store and retrieve), then the disk tier and the Mooncake
-  store, each read back by a fresh engine. Skipped, with the reason, where
-  LMCache (or Mooncake, or the store's binaries) is missing.
-- ``layerwise``: each layer's load (host -> device and scatter) on the copy
-  stream while a synthetic matmul per layer, sized like one layer's load,
-  runs on the compute stream: ``queued`` starts every layer's load before the
-  first matmul, ``ahead`` starts layer ``l + 1``'s load before layer ``l``'s
-  matmul; each waits for layer ``l``'s load before its matmul (the compute
-  stream waits on an event; the host does not). Hidden fraction = ``1 -
-  (overlapped - compute) / load``. On the CPU copies are synchronous, so it
-  is about 0 there.
+- ``copies``: paged KV as vLLM 0.32 allocates it (one buffer, per-layer
+  ``[B, H, N, 2D]`` views) for ``FLASH_ATTN`` in vLLM's default order ``LBNHC``
+  (NHD), ``FLASHINFER`` in ``LBHNC`` (HND, its SM100 order) and block-outer
+  ``BLHNC``; bf16 and fp16; blocks of 16 and 128. A prompt's chunks (the last
+  partial) go through :class:`~lmcache_mooncake.kv.device_copy.DeviceCopier`
+  into pinned host buffers (one unpinned row per order: the staging path) and
+  back into fresh paged KV at other blocks, also for a load starting and ending
+  inside chunks. Bit-exact (random bits compared as integers) against the
+  source read straight from the buffer, other blocks untouched; GB/s against
+  pinned ``cudaMemcpyAsync`` of the same bytes each way, in the same run.
+- ``tiers``: the same through LMCache's engine with our copier: the CPU tier
+  timed against that memcpy, then disk and Mooncake store, each read back by a
+  fresh engine; skipped, with the reason, where LMCache or Mooncake is missing.
+- ``layerwise``: each layer's load on the copy stream against a synthetic
+  matmul per layer (sized like one layer's load) on the compute stream, which
+  waits on the layer's event before its matmul: ``queued`` starts every load
+  first, ``ahead`` starts layer ``l + 1`` before layer ``l``'s matmul. Hidden
+  = ``1 - (overlapped - compute) / load`` (about 0 on the CPU: copies there
+  are synchronous).
 
 Needs only torch and this package; vLLM is not needed: where it does not
 import, the one vLLM module this package imports at import time
@@ -126,12 +120,8 @@ def canonical(raw: torch.Tensor, order: str) -> torch.Tensor:
 def token_slots(block_table: list[int], block_size: int, tokens: int) -> torch.Tensor:
     return torch.tensor([block_table[t // block_size] * block_size + t % block_size for t in range(tokens)])
 
-
 def chunk_ranges(tokens: int) -> list[tuple[int, int]]:
     return [(a, min(a + CHUNK, tokens)) for a in range(0, tokens, CHUNK)]
-
-
-# -- timing ------------------------------------------------------------------------
 
 
 def synchronizer(device: torch.device) -> Callable[[], None]:
@@ -183,7 +173,6 @@ class Memcpy:
 
 def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
-
 
 # -- checks ------------------------------------------------------------------------
 
@@ -563,10 +552,9 @@ def goals(report: Report) -> None:
                                     default=None),
         "layerwise_hidden_min": min((max(r["queued_hidden"], r["ahead_hidden"]) for r in layer), default=None),
     }
-    result["tier_goal_met"] = result["cpu_tier_vs_memcpy_min"] is not None and \
-        result["cpu_tier_vs_memcpy_min"] >= GOAL_TIER_RATIO
-    result["layerwise_goal_met"] = result["layerwise_hidden_min"] is not None and \
-        result["layerwise_hidden_min"] >= GOAL_HIDDEN
+    for goal, key, floor in (("tier_goal_met", "cpu_tier_vs_memcpy_min", GOAL_TIER_RATIO),
+                             ("layerwise_goal_met", "layerwise_hidden_min", GOAL_HIDDEN)):
+        result[goal] = result[key] is not None and result[key] >= floor
     report.data["goals"] = result
     print(f"goals: CPU tier >= {GOAL_TIER_RATIO} of memcpy: {result['cpu_tier_vs_memcpy_min']} "
           f"(copies alone {result['copies_vs_memcpy_min']}); layer-wise hidden >= {GOAL_HIDDEN}: "
