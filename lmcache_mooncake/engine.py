@@ -241,6 +241,7 @@ class PagedKVCopier(GPUConnectorInterface):
     def _scatter_blocks(paged: paged_copy.PagedKV, slots: torch.Tensor, lo: int, hi: int, src: torch.Tensor) -> None:
         block_chunks.scatter(paged, slots, src, lo, hi)
 
+
 def build_engine(
     cfg: CacheConfig,
     namespace: KeyNamespace,
