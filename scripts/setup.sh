@@ -81,6 +81,9 @@ fi
 "${PIP[@]}" "pytest==8.3.4" "hypothesis==6.122.3" "ruff==0.8.4" "pytest-timeout==2.3.1"
 # make bench: plots for docs/performance.md and a profiler for the vLLM worker.
 "${PIP[@]}" "matplotlib==3.11.2" "py-spy==0.4.3"
+# vLLM's benchmark client (python -m vllm.benchmarks.serve: tests/test_e2e_serving_client.py,
+# benchmarks/serving.py) reads its custom JSONL dataset with pandas, which vLLM does not declare.
+"${PIP[@]}" "pandas==3.1.1"
 "${PIP[@]}" --no-deps -e .
 
 check || { echo "setup: imports still fail after install; see the output above" >&2; exit 1; }
