@@ -36,10 +36,10 @@ from lmcache.v1.metadata import LMCacheMetadata
 from lmcache.v1.token_database import TokenDatabase
 
 from lmcache_mooncake.chunks.keys import BLOCKS, TOKENS, KeyNamespace, chunk_keys
-from lmcache_mooncake.config import CacheConfig, MooncakeConfig
+from lmcache_mooncake.config import CacheConfig
 from lmcache_mooncake.kv import block_chunks, device_copy, layouts, paged_copy
 from lmcache_mooncake.runtime import prefault
-from lmcache_mooncake.store.client import StoreEndpoint
+from lmcache_mooncake.store.endpoint import StoreEndpoint, store_endpoint  # noqa: F401 - re-exported
 from lmcache_mooncake.tiers import disk, mooncake
 from lmcache_mooncake.tiers.base import EngineContext, engine_context, release_context
 
@@ -305,34 +305,6 @@ def build_engine(
     if cfg.prefault_cpu_tier:  # before any chunk is stored: the touch writes zeros
         ctx.prefault = prefault.prefault_cpu_tier(engine)
     return engine
-
-
-def store_endpoint(mc: MooncakeConfig) -> StoreEndpoint:
-    """Where the Mooncake tier (and warm-up) attach: the configured addresses over
-    TCP, or for ``auto`` the store recorded by ``lmcache-mooncake store up`` on
-    this host, over shared memory unless ``mode: tcp``.
-
-    Raises StoreError for ``auto`` while no store is recorded (the Mooncake
-    tier then retries later, see ``tiers.attach``; warm-up stops)."""
-    if mc.master_address != "auto" and mc.metadata_server != "auto":
-        return StoreEndpoint(mc.master_address, mc.metadata_server, "tcp")
-    from lmcache_mooncake.store.errors import StoreError
-    from lmcache_mooncake.store.state import default_state_dir, read_state
-
-    state = read_state(mc.store_dir)
-    if state is None:
-        where = mc.store_dir or default_state_dir()
-        raise StoreError(
-            f"mooncake.master_address is 'auto' but no store started by 'lmcache-mooncake store up' "
-            f"is recorded in {where}. Start one with 'lmcache-mooncake store up', or set "
-            "mooncake.master_address and mooncake.metadata_server to a running store."
-        )
-    return StoreEndpoint(
-        master_addr=state.master_addr if mc.master_address == "auto" else mc.master_address,
-        metadata_url=state.metadata_url if mc.metadata_server == "auto" else mc.metadata_server,
-        mode="tcp" if mc.mode == "tcp" or mc.master_address != "auto" else "shm",
-        client_addr=state.client_addr,
-    )
 
 
 def _no_broadcast(tensor: torch.Tensor, src: int) -> None:

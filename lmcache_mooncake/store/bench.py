@@ -54,7 +54,7 @@ def _child(state_dir: str, mode: str, size: int, batch_bytes: int, iters: int) -
         assert all(x == size for x in r), r[:4]
         assert all((a == b).all() for a, b in zip(src, dst, strict=True))
         # The Mooncake call alone, on the already registered staging region.
-        store, base = c._store, c._staging_ptr
+        store, base = c._store, c._staging.ptr
         keys2 = [f"bench-{uuid.uuid4().hex}-{i}" for i in range(n)]
         ptrs = [base + i * size for i in range(n)]
         t = time.perf_counter()

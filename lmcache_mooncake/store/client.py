@@ -59,25 +59,27 @@ Return values (all lists are index-aligned with ``keys``):
   negative values: failure, the buffer's content is then unspecified.
 
 Use :func:`describe` to turn a code into a name.
+
+The parts, one job each: :mod:`~lmcache_mooncake.store.settings` (the
+constructor's arguments, checked), :mod:`~lmcache_mooncake.store.endpoint`
+(addresses), :mod:`~lmcache_mooncake.store.connection` (health, back-off,
+probe or rebuild), :mod:`~lmcache_mooncake.store.staging_memory` (the
+registered region), :mod:`~lmcache_mooncake.store.staging` and
+:mod:`~lmcache_mooncake.store.direct` (the transfers), and
+:mod:`~lmcache_mooncake.store.calls` (the worker thread and its deadlines).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ipaddress
 import logging
-import mmap
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmcache_mooncake.runtime.procs import can_connect
 from lmcache_mooncake.store.binaries import missing_library_hint
 from lmcache_mooncake.store.calls import _ABANDONED, _Job, _Sized, _Worker
 from lmcache_mooncake.store.codes import (  # noqa: F401 - the client's return codes, re-exported
@@ -95,72 +97,38 @@ from lmcache_mooncake.store.codes import (  # noqa: F401 - the client's return c
     RPC_TIMEOUT,
     describe,
 )
+from lmcache_mooncake.store.connection import Connection
 from lmcache_mooncake.store.direct import DirectGets
+from lmcache_mooncake.store.endpoint import StoreEndpoint, connect_targets, is_loopback, local_hostname_for
 from lmcache_mooncake.store.errors import StoreError
+from lmcache_mooncake.store.settings import PINS, ClientSettings, MiB  # noqa: F401 - PINS re-exported
 from lmcache_mooncake.store.staging import StagedTransfers
+from lmcache_mooncake.store.staging_memory import StagingMemory
 from lmcache_mooncake.store.state import read_state
 
 log = logging.getLogger(__name__)
 
-MiB = 1 << 20
-
 _PROBE_KEY = "__lmcache_mooncake_probe__"
-_ALIGN = 64
-_MADV_REMOVE = 9
 
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _split_hostport(addr: str) -> tuple[str, int]:
-    host, _, port = addr.rpartition(":")
-    if not host or not port.isdigit():
-        raise StoreError(f"{addr!r} is not a host:port address")
-    return host.strip("[]"), int(port)
-
-
-def _url_hostport(url: str) -> tuple[str, int]:
-    from urllib.parse import urlsplit
-
-    u = urlsplit(url)
-    if not u.hostname or not u.port:
-        raise StoreError(f"{url!r} is not an http://host:port/metadata URL")
-    return u.hostname, u.port
-
-
-def _local_ip_towards(host: str) -> str:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((host, 9))
-            return s.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
-
-
-@dataclass(frozen=True)
-class StoreEndpoint:
-    """Where a client attaches: the master and metadata server (``tcp`` mode), or the
-    storage process of this host (``shm`` mode, ``client_addr``)."""
-
-    master_addr: str
-    metadata_url: str
-    mode: str = "tcp"
-    client_addr: str = ""
-
-
-# --------------------------------------------------------------------------
-# The client
-# --------------------------------------------------------------------------
-
-
-#: Values of ``pin`` (``mooncake.pin`` in the YAML).
-PINS = ("none", "soft", "hard")
+#: Counters of :meth:`StoreClient.stats`.
+_STAT_NAMES = (
+    "exists_calls",
+    "put_calls",
+    "get_calls",
+    "direct_get_calls",
+    "puts_ok",
+    "puts_failed",
+    "gets_hit",
+    "gets_missed",
+    "gets_failed",
+    "bytes_put",
+    "bytes_got",
+    "timeouts",
+    "unavailable",
+    "connection_errors",
+    "reconnects",
+    "rebuilds",
+)
 
 
 class StoreClient(StagedTransfers, DirectGets):
@@ -169,114 +137,53 @@ class StoreClient(StagedTransfers, DirectGets):
     Build it with :meth:`connect` or :meth:`from_state`.
     """
 
-    def __init__(
-        self,
-        *,
-        master_addr: str = "",
-        metadata_url: str = "",
-        mode: str = "tcp",
-        client_addr: str = "",
-        protocol: str = "tcp",
-        rdma_devices: str = "",
-        local_buffer_bytes: int = 256 * MiB,
-        timeout_s: float = 2.0,
-        global_segment_bytes: int = 0,
-        local_hostname: str | None = None,
-        retry_interval_s: float = 1.0,
-        max_retry_interval_s: float = 10.0,
-        rebuild_after: int = 3,
-        replica_num: int = 1,
-        pin: str = "none",
-        pin_ttl_s: float = 1800.0,
-    ):
-        if mode not in ("tcp", "shm"):
-            raise StoreError(f"mode={mode!r}: use 'tcp' (any host) or 'shm' (same host as the store)")
-        if mode == "tcp" and (not master_addr or not metadata_url):
-            raise StoreError("mode='tcp' needs master_addr and metadata_url")
-        if mode == "shm" and not client_addr:
-            raise StoreError("mode='shm' needs client_addr (the storage process's host:port)")
-        if protocol not in ("tcp", "rdma"):
-            raise StoreError(f"protocol={protocol!r}: use 'tcp' or 'rdma'")
-        if timeout_s <= 0:
-            raise StoreError(f"timeout_s={timeout_s} must be above 0")
-        if local_buffer_bytes < MiB:
-            raise StoreError(f"local_buffer_bytes={local_buffer_bytes}: give at least 1 MiB")
-        self.mode = mode
-        self.master_addr = master_addr
-        self.metadata_url = metadata_url
-        self.client_addr = client_addr
-        self.protocol = protocol
-        self.rdma_devices = rdma_devices
-        self.local_buffer_bytes = int(local_buffer_bytes)
-        self.timeout_s = float(timeout_s)
-        self.global_segment_bytes = int(global_segment_bytes)
-        self.retry_interval_s = float(retry_interval_s)
-        self.max_retry_interval_s = float(max(max_retry_interval_s, retry_interval_s))
-        self.rebuild_after = max(int(rebuild_after), 1)
-        if replica_num < 1:
-            raise StoreError(f"replica_num={replica_num} must be at least 1")
-        self.replica_num = int(replica_num)
-        if pin not in PINS:
-            raise StoreError(f"pin={pin!r}: use one of {', '.join(PINS)}")
-        if pin_ttl_s <= 0:
-            raise StoreError(f"pin_ttl_s={pin_ttl_s} must be above 0")
+    def __init__(self, settings: ClientSettings | None = None, **kwargs: Any):
+        """``settings``, or the fields of :class:`~lmcache_mooncake.store.settings.ClientSettings`
+        as keyword arguments (checked there: StoreError for a wrong value). Does not connect."""
+        if settings is None:
+            settings = ClientSettings(**kwargs)
+        elif kwargs:
+            raise TypeError(f"give settings or keyword arguments, not both ({', '.join(kwargs)})")
+        self.settings = s = settings
+        self.mode = s.mode
+        self.master_addr = s.master_addr
+        self.metadata_url = s.metadata_url
+        self.client_addr = s.client_addr
+        self.protocol = s.protocol
+        self.rdma_devices = s.rdma_devices
+        self.local_buffer_bytes = s.local_buffer_bytes
+        self.timeout_s = s.timeout_s
+        self.global_segment_bytes = s.global_segment_bytes
+        self.retry_interval_s = s.retry_interval_s
+        self.max_retry_interval_s = s.max_retry_interval_s
+        self.rebuild_after = s.rebuild_after
+        self.replica_num = s.replica_num
         #: How puts protect their objects from eviction: "none", "soft" (evicted
         #: only after every unpinned object, for ``pin_ttl_s``) or "hard" (never).
-        self.pin = pin
-        self.pin_ttl_s = float(pin_ttl_s)
+        self.pin = s.pin
+        self.pin_ttl_s = s.pin_ttl_s
         self._replicate: Any = None
-        if mode == "tcp":
-            self._targets = [_split_hostport(master_addr), _url_hostport(metadata_url)]
-            mhost = self._targets[0][0]
-            self.local_hostname = local_hostname or (
-                "127.0.0.1" if _is_loopback(mhost) else _local_ip_towards(mhost)
-            )
-            if _is_loopback(mhost) and "MC_TCP_BIND_ADDRESS" not in os.environ:
-                # Without it Mooncake's transfer engine looks for a LAN address and
-                # fails on hosts without one ("not valid LAN address found").
-                os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
-        else:
-            self._targets = [_split_hostport(client_addr)]
-            self.local_hostname = local_hostname or "127.0.0.1"
+        targets = connect_targets(s.mode, s.master_addr, s.metadata_url, s.client_addr)
+        self.local_hostname = local_hostname_for(s.mode, targets[0][0], s.local_hostname)
+        if s.mode == "tcp" and is_loopback(targets[0][0]) and "MC_TCP_BIND_ADDRESS" not in os.environ:
+            # Without it Mooncake's transfer engine looks for a LAN address and
+            # fails on hosts without one ("not valid LAN address found").
+            os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
 
         self._lock = threading.Lock()  # serialises callers
-        self._state_lock = threading.Lock()
-        self._worker = _Worker(f"mooncake-store-{mode}")
+        self._worker = _Worker(f"mooncake-store-{s.mode}")
         self._store: Any = None
-        self._staging_ptr = 0
-        self._staging_mem: Any = None  # keeps the staging memory alive
-        self._staging_tensor: Any = None
+        self._staging = StagingMemory(s.local_buffer_bytes, s.mode)
         # Caller memory direct gets may write (register_destination), the Mooncake
         # client it is registered with, and why Mooncake refused it (if it did).
         self._destinations: list[tuple[int, int]] = []
         self._destinations_on: Any = None
         self._register_error: str | None = None
-        self._healthy = False
         self._closed = False
-        self._next_attempt = 0.0
-        self._backoff = self.retry_interval_s
-        self._probe_failures = 0
-        self._last_error = ""
-        self._stats: dict[str, int] = dict.fromkeys(
-            (
-                "exists_calls",
-                "put_calls",
-                "get_calls",
-                "direct_get_calls",
-                "puts_ok",
-                "puts_failed",
-                "gets_hit",
-                "gets_missed",
-                "gets_failed",
-                "bytes_put",
-                "bytes_got",
-                "timeouts",
-                "unavailable",
-                "connection_errors",
-                "reconnects",
-                "rebuilds",
-            ),
-            0,
+        self._stats: dict[str, int] = dict.fromkeys(_STAT_NAMES, 0)
+        self._conn = Connection(
+            mode=s.mode, targets=targets, retry_interval_s=s.retry_interval_s,
+            max_retry_interval_s=s.max_retry_interval_s, rebuild_after=s.rebuild_after, stats=self._stats,
         )
 
     # ------------------------------------------------------------------ build
@@ -325,7 +232,7 @@ class StoreClient(StagedTransfers, DirectGets):
             deadline = time.monotonic() + max(connect_timeout_s, timeout_s)
             code = self._attempt(deadline, force=True)
         if code != OK and require:
-            reason = self._last_error
+            reason = self._conn.last_error
             self.close()
             where = self.master_addr if self.mode == "tcp" else self.client_addr
             raise StoreError(
@@ -368,66 +275,36 @@ class StoreClient(StagedTransfers, DirectGets):
 
     @property
     def healthy(self) -> bool:
-        return self._healthy and not self._closed
+        return self._conn.healthy and not self._closed
 
     def stats(self) -> dict[str, Any]:
         """Counters since creation, plus ``healthy``, ``mode`` and ``last_error``."""
         out: dict[str, Any] = dict(self._stats)
-        out.update(healthy=self.healthy, mode=self.mode, last_error=self._last_error)
+        out.update(healthy=self.healthy, mode=self.mode, last_error=self._conn.last_error)
         return out
-
-    def _mark_unhealthy(self, reason: str) -> None:
-        with self._state_lock:
-            if self._healthy:
-                log.warning(
-                    "Mooncake store client unhealthy: %s; calls return misses until it reconnects", reason
-                )
-                self._backoff = self.retry_interval_s
-            self._healthy = False
-            self._last_error = reason
-            self._next_attempt = time.monotonic() + self._backoff
-            self._backoff = min(self._backoff * 2, self.max_retry_interval_s)
-
-    def _mark_healthy(self, how: str) -> None:
-        with self._state_lock:
-            was = self._healthy
-            self._healthy = True
-            self._probe_failures = 0
-            self._backoff = self.retry_interval_s
-        if not was:
-            self._stats["reconnects"] += 1
-            log.info("Mooncake store client connected (%s, %s mode)", how, self.mode)
 
     def _attempt(self, deadline: float, force: bool = False) -> int:
         """Make the client usable, or say why not. Caller holds ``self._lock``."""
         if self._closed:
             return ERR_CLOSED
-        if self._healthy and self._store is not None:
+        conn = self._conn
+        if conn.healthy and self._store is not None:
             return OK
         now = time.monotonic()
-        if (now < self._next_attempt and not force) or self._worker.busy():
+        if not conn.attempt_due(now, force) or self._worker.busy():
             return ERR_UNAVAILABLE
-        for host, port in self._targets:
-            if not can_connect(host, port, max(min(0.5, deadline - now), 0.01)):
-                if self.mode == "shm":
-                    # The storage process is gone, and with it its mapping of our
-                    # shared memory: when it is back, attach anew (a probe would pass).
-                    self._probe_failures = self.rebuild_after
-                self._mark_unhealthy(f"nothing accepts connections at {host}:{port}")
-                return ERR_UNAVAILABLE
-        # In shm mode a probe cannot tell whether the storage process answering is the one that
-        # maps our shared memory: restarted within the back-off, it answers, and every put is then
-        # refused (-600). Attaching again is cheap there (a local RPC and a memfd): always do it.
-        if self._store is not None and self._probe_failures < self.rebuild_after and self.mode != "shm":
-            fn, what = self._job_probe, "probe"
-        else:
+        if not conn.targets_reachable(deadline, now):
+            return ERR_UNAVAILABLE
+        if conn.wants_rebuild(self._store is not None):
             fn, what = self._job_rebuild, "setup"
+        else:
+            fn, what = self._job_probe, "probe"
         ok, val = self._run(fn, deadline, what)
         if not ok:
             if val == ERR_INTERNAL:  # the binding raised: back off like any failure
-                self._mark_unhealthy(self._last_error)
+                conn.mark_unhealthy(conn.last_error)
             return val
-        return OK if self._healthy else ERR_UNAVAILABLE
+        return OK if conn.healthy else ERR_UNAVAILABLE
 
     # Jobs (run on the worker thread) -------------------------------------
 
@@ -435,10 +312,9 @@ class StoreClient(StagedTransfers, DirectGets):
         store = self._store
         r = store.batch_is_exist([_PROBE_KEY])
         if r and r[0] in (0, 1):
-            self._mark_healthy("probe answered")
+            self._conn.mark_healthy("probe answered")
         else:
-            self._probe_failures += 1
-            self._mark_unhealthy(f"probe failed ({describe(int(r[0]) if r else -1)})")
+            self._conn.probe_failed(f"probe failed ({describe(int(r[0]) if r else -1)})")
 
     def _job_rebuild(self) -> None:
         MooncakeDistributedStore = _import_store()
@@ -463,91 +339,25 @@ class StoreClient(StagedTransfers, DirectGets):
         if rc != 0:
             with contextlib.suppress(Exception):
                 store.close()
-            self._mark_unhealthy(f"Mooncake setup returned {rc}")
+            self._conn.mark_unhealthy(f"Mooncake setup returned {rc}")
             return
-        err = self._attach_staging(store)
+        err = self._staging.attach(store, self.timeout_s)
         if err:
             with contextlib.suppress(Exception):
                 store.close()
-            self._mark_unhealthy(err)
+            self._conn.mark_unhealthy(err)
             return
         if self._destinations:
             self._register_destinations(store)
         self._store = store
         self._stats["rebuilds"] += 1
-        self._mark_healthy("setup")
-
-    def _attach_staging(self, store: Any) -> str | None:
-        size = self.local_buffer_bytes
-        if self.mode == "shm":
-            # Shared memory the storage process maps: Mooncake's memfd pool.
-            ptr = int(store.alloc_from_mem_pool(size))
-            if not ptr:
-                return f"cannot allocate {size} bytes of shared memory (alloc_from_mem_pool)"
-            mem = (ctypes.c_char * size).from_address(ptr)
-        else:
-            if self._staging_mem is None:
-                mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-                self._staging_mem = mm
-                self._staging_ptr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
-            ptr, mem = self._staging_ptr, self._staging_mem
-        # Touch every page now, at connect: a first load would otherwise pay the
-        # page faults (about 3x a warm copy of the same bytes, measured).
-        ctypes.memset(ptr, 0, size)
-        rc = store.register_buffer(ptr, size)
-        if rc != 0:
-            return f"register_buffer of the {size}-byte staging region returned {rc}"
-        self._staging_ptr, self._staging_mem, self._staging_tensor = ptr, mem, None
-        if self.mode == "shm":
-            self._prefault_for_storage(store, ptr, size)
-        return None
-
-    def _prefault_for_storage(self, store: Any, ptr: int, size: int) -> None:
-        """Make the storage process write every page of our shared staging region once, now.
-
-        In ``shm`` mode the storage process copies objects into the region through its own
-        mapping of it, and its first write to each page is a page fault there: a first load
-        of 192 MiB took 88-118 ms to arrive against 22-27 ms once the pages were mapped
-        (``docs/performance.md``). Touching the pages ourselves does not map them in the
-        other process, so one small object (at most 4 MiB of store memory, removed at once)
-        is put from the region and got into each slice of it in turn. About 0.9 ms per MiB,
-        at connect; best effort: anything failing only leaves the faults to the first loads.
-        It stops after half the client's timeout (2 s at most): a reconnection runs it while
-        a caller waits, and the setup around it must still fit that caller's timeout.
-        """
-        piece = min(4 << 20, size)
-        key = f"lmcm/_prefault/{os.getpid()}-{id(self):x}-{time.monotonic_ns():x}"
-        t0 = time.monotonic()
-        budget = min(2.0, self.timeout_s / 2)
-        try:
-            if list(store.batch_put_from([key], [ptr], [piece])) != [0]:
-                return
-            try:
-                for off in range(0, size - piece + 1, piece):
-                    if store.batch_get_into([key], [ptr + off], [piece])[0] != piece or time.monotonic() - t0 > budget:
-                        return
-            finally:
-                store.batch_remove([key], True)
-        except Exception as e:  # noqa: BLE001 - an optimisation; never a reason not to connect
-            log.debug("Mooncake store client: prefaulting the staging region failed: %s", e)
-            return
-        log.debug("Mooncake store client: the storage process mapped the %d-byte staging region in %.0f ms",
-                  size, (time.monotonic() - t0) * 1e3)
+        self._conn.mark_healthy("setup")
 
     def _release_staging(self, store: Any) -> None:
+        """On the worker thread, before ``store`` is closed: unregister the destinations and the
+        staging region from it."""
         self._unregister_destinations(store)
-        if not self._staging_ptr:
-            return
-        with contextlib.suppress(Exception):
-            store.unregister_buffer(self._staging_ptr)
-        if self.mode == "shm":
-            # Mooncake has no Python call to free pool memory; give its pages back.
-            with contextlib.suppress(Exception):
-                libc = ctypes.CDLL(None, use_errno=True)
-                libc.madvise(
-                    ctypes.c_void_p(self._staging_ptr), ctypes.c_size_t(self.local_buffer_bytes), _MADV_REMOVE
-                )
-            self._staging_ptr, self._staging_mem, self._staging_tensor = 0, None, None
+        self._staging.release(store)
 
     # Running a job with a deadline ---------------------------------------
 
@@ -572,11 +382,11 @@ class StoreClient(StagedTransfers, DirectGets):
         if not job.done.wait(wait):
             job.abandon(what)
             self._stats["timeouts"] += 1
-            self._mark_unhealthy(f"{what} did not finish within {wait:.3g} s")
+            self._conn.mark_unhealthy(f"{what} did not finish within {wait:.3g} s")
             return False, ERR_TIMEOUT
         if job.error is not None:
             log.error("Mooncake %s raised %r", what, job.error)
-            self._last_error = f"{what} raised {job.error!r}"
+            self._conn.last_error = f"{what} raised {job.error!r}"
             return False, ERR_INTERNAL
         return True, job.result
 
@@ -611,13 +421,13 @@ class StoreClient(StagedTransfers, DirectGets):
         bad = [c for c in codes if c in _CONNECTION_CODES]
         if bad:
             self._stats["connection_errors"] += 1
-            self._mark_unhealthy(f"{what} got {describe(bad[0])}")
+            self._conn.mark_unhealthy(f"{what} got {describe(bad[0])}")
         elif self.mode == "shm" and what == "batch_put_from" and INVALID_PARAMS in codes:
             # A put from our shared memory is refused when the storage process
             # does not map it: it restarted since we attached. Attach anew.
             self._stats["connection_errors"] += 1
-            self._probe_failures = self.rebuild_after
-            self._mark_unhealthy(f"{what} got {describe(INVALID_PARAMS)}: the storage process does not map "
+            self._conn.rebuild_next()
+            self._conn.mark_unhealthy(f"{what} got {describe(INVALID_PARAMS)}: the storage process does not map "
                                  "this client's shared memory (restarted?); attaching again")
 
     # ------------------------------------------------------------------ API
@@ -705,7 +515,7 @@ class StoreClient(StagedTransfers, DirectGets):
         got = self._lock.acquire(timeout=self.timeout_s)
         try:
             self._closed = True
-            self._healthy = False
+            self._conn.mark_closed()
             store, self._store = self._store, None
             if store is not None:
 
@@ -714,11 +524,11 @@ class StoreClient(StagedTransfers, DirectGets):
                     store.close()
 
                 if self._worker.busy():
-                    _ABANDONED.append((store, self._staging_mem))
+                    _ABANDONED.append((store, self._staging.mem))
                 else:
                     job = self._worker.submit(_close)
                     if not job.done.wait(self.timeout_s):
-                        _ABANDONED.append((store, self._staging_mem))
+                        _ABANDONED.append((store, self._staging.mem))
             self._worker.stop()
         finally:
             if got:

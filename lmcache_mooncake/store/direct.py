@@ -30,8 +30,8 @@ Mooncake. Every other code means the call returned and Mooncake is done with
 the memory.
 
 The client provides ``_begin``, ``_call_once``, ``_attempt``, ``_run``, ``_check_codes``,
-``_count``, ``_store``, ``_staging_ptr``, ``_staging_view`` and
-``local_buffer_bytes``.
+``_count``, ``_conn`` (its health), ``_store``, ``_staging`` (the staging region,
+:mod:`lmcache_mooncake.store.staging_memory`) and ``local_buffer_bytes``.
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ class DirectGets:
             if code != OK or time.monotonic() >= deadline:
                 _fill(results, rounds, r, ERR_UNAVAILABLE)  # never started: nothing was handed over
                 return
-            store, base = self._store, self._staging_ptr
+            store, base = self._store, self._staging.ptr
             fn = functools.partial(
                 store.batch_get_into_multi_buffers,
                 [keys[i] for i, _ in rnd],
@@ -208,9 +208,9 @@ class DirectGets:
                     c = ERR_INTERNAL
                 results[i] = c
                 if c > 0:
-                    visit(i, self._staging_view(off, head_sizes[i]))
+                    visit(i, self._staging.view(off, head_sizes[i]))
             self._check_codes(codes, what)
-            if not self._healthy:
+            if not self._conn.healthy:
                 _fill(results, rounds, r + 1, ERR_UNAVAILABLE)
                 return
 

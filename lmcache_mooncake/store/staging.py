@@ -5,7 +5,8 @@ that packs a batch into rounds that fit the staging region (``local_buffer_bytes
 copies caller buffers in (puts) or out (gets, or hands the bytes to a visitor),
 and counts the results. The client provides the connection: ``_begin`` (the
 caller lock and a usable connection), ``_attempt``, ``_run`` (a Mooncake call
-with a deadline), ``_check_codes``, ``_store`` and ``_staging_ptr``.
+with a deadline), ``_check_codes``, ``_conn`` (its health), ``_store`` and
+``_staging`` (the region itself, :mod:`lmcache_mooncake.store.staging_memory`).
 
 Why a staging region at all: a call that timed out keeps running inside
 Mooncake, and it must never read or write memory the caller already got back.
@@ -127,7 +128,7 @@ class StagedTransfers:
             if code != OK:
                 fail(code, [rnd], r)
                 return
-            store, base = self._store, self._staging_ptr
+            store, base = self._store, self._staging.ptr
             if put:
                 # Our own copy is not the store's time: the call's deadline moves with it.
                 t_copy = time.monotonic()
@@ -148,14 +149,14 @@ class StagedTransfers:
                 codes = [int(v) for v in val] + [ERR_INTERNAL] * (len(part) - len(val))
                 self._check_codes(codes, what)
                 job = None
-                if k + 1 < len(parts) and self._healthy:
+                if k + 1 < len(parts) and self._conn.healthy:
                     job = self._submit(call(parts[k + 1]), deadline, what)
                 try:
                     for (i, rb, off), c in zip(part, codes, strict=False):
                         results[i] = c
                         if not put and c > 0:
                             if visit is not None:
-                                visit(i, self._staging_view(off, min(c, rb.nbytes)))
+                                visit(i, self._staging.view(off, min(c, rb.nbytes)))
                             else:
                                 self._copy_out(rb, off, min(c, rb.nbytes))
                 except BaseException:
@@ -163,7 +164,7 @@ class StagedTransfers:
                     # abandoned at the deadline) before the caller lock is given back.
                     self._wait(job, deadline, what)
                     raise
-                if not self._healthy:
+                if not self._conn.healthy:
                     fail(ERR_UNAVAILABLE, parts[k + 1 :], r)
                     if job is not None:
                         self._wait(job, deadline, what)
@@ -195,17 +196,6 @@ class StagedTransfers:
             self._replicate = cfg
         return self._replicate
 
-    def _torch_staging(self) -> Any:
-        import torch
-
-        if self._staging_tensor is None:
-            mem = (ctypes.c_char * self.local_buffer_bytes).from_address(self._staging_ptr)
-            self._staging_tensor = torch.frombuffer(mem, dtype=torch.uint8)
-        return self._staging_tensor
-
-    def _staging_view(self, off: int, n: int) -> memoryview:
-        return memoryview((ctypes.c_char * n).from_address(self._staging_ptr + off)).cast("B")
-
     def _copy_in(self, rb: _Buf, off: int) -> None:
         if rb.parts is not None:
             for part in rb.parts:
@@ -215,15 +205,15 @@ class StagedTransfers:
         if rb.nbytes == 0:
             return
         if rb.tensor is not None:
-            self._torch_staging()[off : off + rb.nbytes].copy_(_tensor_bytes(rb.tensor))
+            self._staging.as_tensor()[off : off + rb.nbytes].copy_(_tensor_bytes(rb.tensor))
         else:
-            ctypes.memmove(self._staging_ptr + off, rb.ptr, rb.nbytes)
+            ctypes.memmove(self._staging.ptr + off, rb.ptr, rb.nbytes)
 
     def _copy_out(self, rb: _Buf, off: int, n: int) -> None:
         if rb.tensor is not None:
-            _tensor_bytes(rb.tensor)[:n].copy_(self._torch_staging()[off : off + n])
+            _tensor_bytes(rb.tensor)[:n].copy_(self._staging.as_tensor()[off : off + n])
         else:
-            ctypes.memmove(rb.ptr, self._staging_ptr + off, n)
+            ctypes.memmove(rb.ptr, self._staging.ptr + off, n)
 
     def _count(self, results: list[int], sizes: list[int], put: bool) -> None:
         s = self._stats
