@@ -27,6 +27,7 @@ bench: setup
 	.venv/bin/python benchmarks/store_throughput.py
 	.venv/bin/python benchmarks/warmup_throughput.py
 	.venv/bin/python benchmarks/routing.py
+	.venv/bin/python benchmarks/serving.py
 	.venv/bin/python benchmarks/report.py
 
 lint: setup
