@@ -28,6 +28,16 @@ import numpy as np
 MiB = 1 << 20
 
 
+def _check(call: str, results: list, expected: int, mode: str, size: int) -> None:
+    """Raise RuntimeError unless every value of ``results`` (one per key of ``call``) is ``expected``."""
+    wrong = [(i, r) for i, r in enumerate(results) if r != expected]
+    if wrong:
+        raise RuntimeError(
+            f"{call} ({mode} mode, {size}-byte objects): {len(wrong)} of {len(results)} results are not "
+            f"{expected}; first (index, result): {wrong[:4]}"
+        )
+
+
 def _child(state_dir: str, mode: str, size: int, batch_bytes: int, iters: int) -> None:
     from lmcache_mooncake.store.client import StoreClient
 
@@ -47,12 +57,13 @@ def _child(state_dir: str, mode: str, size: int, batch_bytes: int, iters: int) -
         t = time.perf_counter()
         r = c.batch_put(keys, src)
         res["client_put"].append(gb / (time.perf_counter() - t))
-        assert all(x == 0 for x in r), r[:4]
+        _check("StoreClient.batch_put", r, 0, mode, size)
         t = time.perf_counter()
         r = c.batch_get_into(keys, dst)
         res["client_get"].append(gb / (time.perf_counter() - t))
-        assert all(x == size for x in r), r[:4]
-        assert all((a == b).all() for a, b in zip(src, dst, strict=True))
+        _check("StoreClient.batch_get_into", r, size, mode, size)
+        _check("StoreClient.batch_get_into (bytes equal to those put)",
+               [bool((a == b).all()) for a, b in zip(src, dst, strict=True)], True, mode, size)
         # The Mooncake call alone, on the already registered staging region.
         store, base = c._store, c._staging.ptr
         keys2 = [f"bench-{uuid.uuid4().hex}-{i}" for i in range(n)]
@@ -60,11 +71,11 @@ def _child(state_dir: str, mode: str, size: int, batch_bytes: int, iters: int) -
         t = time.perf_counter()
         r = store.batch_put_from(keys2, ptrs, [size] * n)
         res["native_put"].append(gb / (time.perf_counter() - t))
-        assert all(x == 0 for x in r), r[:4]
+        _check("Mooncake batch_put_from", list(r), 0, mode, size)
         t = time.perf_counter()
         r = store.batch_get_into(keys2, ptrs, [size] * n)
         res["native_get"].append(gb / (time.perf_counter() - t))
-        assert all(x == size for x in r), r[:4]
+        _check("Mooncake batch_get_into", list(r), size, mode, size)
         t = time.perf_counter()
         np.copyto(big_dst, big_src)
         res["memcpy"].append(gb / (time.perf_counter() - t))

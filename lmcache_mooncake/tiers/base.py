@@ -25,6 +25,7 @@ Subclasses implement ``_contains_prefix``, ``_get_sync`` and ``_put_sync``.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
 import threading
@@ -160,14 +161,32 @@ class VerifiedTier(RemoteConnector):
         }
 
     # -- for subclasses -----------------------------------------------------------
+    @abc.abstractmethod
     def _contains_prefix(self, keys: list[CacheEngineKey]) -> int:
-        raise NotImplementedError
+        """How many leading ``keys`` this tier holds: 0 to ``len(keys)``, stopping at the first miss.
 
+        Called synchronously by LMCache's lookups (:meth:`batched_contains`, :meth:`exists_sync`),
+        on the caller's thread, so it must be quick. A tier that cannot answer (store unreachable,
+        file missing, chunk damaged) answers with the prefix it could confirm, 0 at worst (the
+        chunks are then recomputed), rather than raising. It may keep chunks it read and checked
+        in the CPU tier (:meth:`_promote`)."""
+
+    @abc.abstractmethod
     def _get_sync(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
-        raise NotImplementedError
+        """One entry per key, in order: a ``MemoryObj`` from :meth:`_allocate` holding the chunk,
+        checked (:mod:`lmcache_mooncake.chunks.chunk_format`), or None for a miss, a chunk that
+        failed its check, no CPU memory, or a failed read (those are not exceptions).
 
+        Runs on an executor thread (:meth:`batched_get`); LMCache owns the returned objects."""
+
+    @abc.abstractmethod
     def _put_sync(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
-        raise NotImplementedError
+        """Write each chunk under its key, with its header (:meth:`_header`); best effort.
+
+        Runs on an executor thread, after the namespace's manifest was offered to
+        :meth:`_record_manifest` (:meth:`_put_recorded`). Failures are counted in ``stats``, not
+        returned; an exception is logged and counted as a write error by :meth:`_write`. Must not
+        take references of ``memory_objs`` beyond the call (LMCache balances its own)."""
 
     def _record_manifest(self, namespace: KeyNamespace) -> bool | None:
         """Record ``namespace``'s manifest in this tier (:mod:`lmcache_mooncake.chunks.namespaces`); False: not stored."""
