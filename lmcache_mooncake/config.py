@@ -159,6 +159,11 @@ class CacheConfig:
     #: Load cached KV in the background (vLLM's asynchronous loading): other
     #: requests keep running while a long prompt's chunks arrive.
     async_loading: bool = True
+    #: Save and load KV layer by layer as vLLM's attention layers run (save_kv_layer /
+    #: wait_for_layer_load), so on a GPU the copies overlap the other layers' compute.
+    #: Loads are then synchronous (async_loading is ignored). Off by default: on the
+    #: CPU build it is slower (docs/performance.md); on GPUs it is unmeasured.
+    layerwise: bool = False
     #: Worker: seconds between handing freed heap memory back to the OS
     #: (glibc ``malloc_trim``; see :mod:`lmcache_mooncake.runtime.heap`). ``0``: never.
     heap_trim_interval: float = 5.0

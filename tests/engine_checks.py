@@ -327,6 +327,137 @@ def check_worker_loads_disk_chunks_straight_into_paged_kv(tmp_path, kv):
     assert not files[1].exists()
 
 
+def check_layerwise_worker_saves_and_loads_like_whole_steps(tmp_path, kv):
+    """``layerwise: true`` through the worker and LMCache's engine: a prompt saved layer by layer
+    (save_kv_layer per layer, then wait_for_save) is read back by a fresh worker layer by layer
+    (wait_for_layer_load per layer) bit for bit, and only its loaded tokens change in paged KV.
+    The control: a step whose per-layer waits never came reports every planned block failed."""
+    from lmcache_mooncake.connector import worker
+    from lmcache_mooncake.connector.metadata import LoadOp, SaveOp, StepMetadata
+
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
+    tokens = (torch.arange(600) + 11).tolist()
+    g = torch.Generator().manual_seed(3)
+    block_ids = torch.randperm(B, generator=g)[: -(-600 // N)].tolist()
+    slots = [block_ids[t // N] * N + t % N for t in range(600)]
+    cfg = CacheConfig(max_local_cpu_size=0.05, local_disk=str(tmp_path / "disk"), layerwise=True)
+
+    def side(name, paged):
+        run = tmp_path / name
+        run.mkdir()
+        s = worker.WorkerSide(cfg, "m", "CPU_ATTN", N, run, run / "lookup.sock", f"test-lw-{name}", 0, 1)
+        s.register_kv_caches(dict(zip(names, paged, strict=True)))
+        return s
+
+    w = side("w", kv)
+    meta = StepMetadata(saves=[SaveOp("r", tokens, slots, 0)])
+    # vLLM's order in a step without a synchronous load: the forward pass (the per-layer
+    # hooks), then start_load_kv, then wait_for_save.
+    for name, t in zip(names, kv, strict=True):
+        w.save_kv_layer(name, t, meta)
+    w.start_load_kv(meta)
+    w.save(meta)
+    assert w.stats.snapshot().get("layerwise_saves") == 1
+    w.shutdown()
+
+    def load(with_waits):
+        out = [torch.full_like(t, 7.0) for t in kv]
+        before = [t.clone() for t in out]
+        r = side("r" if with_waits else "r2", out)
+        try:
+            meta = StepMetadata(loads=[LoadOp("q", tokens, slots[:599], 40, 599, block_ids, asynchronous=False)])
+            r.start_load_kv(meta)
+            if with_waits:
+                for name in names:
+                    r.wait_for_layer_load(name)
+            r.save(meta)
+            return out, before, r.take_failed_blocks()
+        finally:
+            r.shutdown()
+
+    out, before, failed = load(with_waits=True)
+    assert failed == set(), failed
+    layout = layouts.layout_for_backend("CPU_ATTN")
+    loaded = torch.tensor(slots[40:599])
+    others = torch.tensor(sorted(set(range(B * N)) - set(slots[40:599])))
+    for name, a, b in [("loaded", kv, out), ("others", before, out)]:
+        idx = loaded if name == "loaded" else others
+        for i in range(L):
+            want, got = torch.empty(2, len(idx), H * D), torch.empty(2, len(idx), H * D)
+            layout.gather(a[i], idx, want)
+            layout.gather(b[i], idx, got)
+            assert torch.equal(want, got), (name, i)
+
+    _, _, failed = load(with_waits=False)
+    assert failed == set(block_ids[40 // N : -(-599 // N)]), failed
+
+
+def check_tp2_ranks_store_and_load_their_own_shards(tmp_path, kv):
+    """Tensor parallel 2 through the worker: each rank (half the KV heads) names its chunks in its
+    own namespace, rank 0 answers lookups, and each fresh rank loads its own shard bit for bit.
+    The control: with rank 1's chunks gone, rank 0's lookup still finds the prompt (it only
+    knows its own), and rank 1's load reports every planned block failed (vLLM recomputes)."""
+    import shutil
+
+    from lmcache_mooncake.connector import worker
+    from lmcache_mooncake.connector.metadata import LoadOp, SaveOp, StepMetadata
+
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
+    tokens = (torch.arange(600) + 29).tolist()
+    block_ids = list(range(5, 5 + -(-600 // N)))
+    slots = [block_ids[t // N] * N + t % N for t in range(600)]
+    cfg = CacheConfig(max_local_cpu_size=0.05, local_disk=str(tmp_path / "disk"))
+    shards = [[t[:, r : r + 1].contiguous() for t in kv] for r in range(2)]  # H = 2: one head per rank
+
+    def side(name, rank, paged):
+        run = tmp_path / f"{name}-{rank}"
+        run.mkdir()
+        s = worker.WorkerSide(cfg, "m", "CPU_ATTN", N, run, run / "lookup.sock", f"test-tp-{name}-{rank}",
+                              tp_rank=rank, tp_size=2)
+        s.register_kv_caches(dict(zip(names, paged, strict=True)))
+        return s
+
+    writers = [side("w", r, shards[r]) for r in range(2)]
+    assert writers[0].lookup_server is not None and writers[1].lookup_server is None
+    assert writers[0].namespace != writers[1].namespace
+    assert (writers[0].namespace.tp_rank, writers[1].namespace.tp_rank) == (0, 1)
+    meta = StepMetadata(saves=[SaveOp("r", tokens, slots, 0)])
+    for w in writers:
+        w.save(meta)
+        w.shutdown()
+    folders = sorted(p.name for p in (tmp_path / "disk").iterdir() if p.is_dir())
+    assert folders == sorted(w.namespace.hex() for w in writers), folders
+
+    def load(rank):
+        out = [torch.zeros_like(t) for t in shards[rank]]
+        r = side(f"r{len(list(tmp_path.glob('r*')))}", rank, out)
+        try:
+            hit = r.lookup(tokens, None, None).hit if rank == 0 else None
+            op = LoadOp("q", tokens, slots[:599], 0, 599, block_ids, asynchronous=False)
+            r.start_load_kv(StepMetadata(loads=[op]))
+            return out, r.take_failed_blocks(), hit
+        finally:
+            r.shutdown()
+
+    layout = layouts.layout_for_backend("CPU_ATTN")
+    idx = torch.tensor(slots[:599])
+    for rank in range(2):
+        out, failed, hit = load(rank)
+        assert failed == set(), (rank, failed)
+        assert rank or hit == 600, hit
+        for i in range(L):
+            want, got = torch.empty(2, 599, D), torch.empty(2, 599, D)
+            layout.gather(shards[rank][i], idx, want)
+            layout.gather(out[i], idx, got)
+            assert torch.equal(want, got), (rank, i)
+
+    shutil.rmtree(tmp_path / "disk" / writers[1].namespace.hex())
+    _, _, hit = load(0)
+    assert hit == 600, hit
+    _, failed, _ = load(1)
+    assert failed == set(block_ids[: -(-599 // N)]), failed
+
+
 CHECKS = {
     "worker_loads_disk_chunks_straight_into_paged_kv": check_worker_loads_disk_chunks_straight_into_paged_kv,
     "blocks_chunks_load_bit_exact_from_disk": check_blocks_chunks_load_bit_exact_from_disk,
@@ -335,6 +466,8 @@ CHECKS = {
     "damaged_file_stops_the_lookup_prefix": check_damaged_file_stops_the_lookup_prefix,
     "chunks_sealed_with_another_secret_are_misses": check_chunks_sealed_with_another_secret_are_misses,
     "lookup_names_the_tier_each_chunk_was_found_in": check_lookup_names_the_tier_each_chunk_was_found_in,
+    "layerwise_worker_saves_and_loads_like_whole_steps": check_layerwise_worker_saves_and_loads_like_whole_steps,
+    "tp2_ranks_store_and_load_their_own_shards": check_tp2_ranks_store_and_load_their_own_shards,
 }
 
 if __name__ == "__main__":

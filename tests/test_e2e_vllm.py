@@ -213,3 +213,42 @@ def test_one_pass_loads_match_recompute_and_a_damaged_chunk_is_recomputed(model,
     assert stats.count("vllm:lmcm_load_failures") == 1
     assert stats.count("vllm:lmcm_chunk_hits", tier="disk") == 3 + 1 + 3
     assert not victim.exists()
+
+
+def test_layerwise_saves_and_loads_match_recompute(model, work, disk, baseline, run_a):
+    """``layerwise: true`` on real vLLM: one process saves prompts layer by layer (vLLM's
+    save_kv_layer per attention layer), its chunks equal run A's whole-step chunks bit for
+    bit; a fresh process loads them layer by layer (wait_for_layer_load), with z's load
+    starting inside a chunk after vLLM's own prefix-cache hit, and its greedy tokens equal
+    the recompute's. The per-layer counters show the hooks ran (no fallback)."""
+    plan = [("exact", None), ("plus", None), ("x", None), ("z", None)]
+    lw_disk = work / "disk-layerwise"
+
+    def run(name: str, prefix_caching: bool):
+        extra = {"max_local_cpu_size": 0.5, "run_dir": str(work / name / "run"), "local_disk": str(lw_disk),
+                 "layerwise": True}
+        spec = RunSpec(model=str(model), prompts=[P[n] for n, _ in plan], cache_salts=[None] * len(plan),
+                       kv_role="kv_both", extra_config=extra, prefix_caching=prefix_caching, max_tokens=12)
+        results = run_instance(spec, work / name)
+        for (n, _), r in zip(plan, results, strict=True):
+            assert r.output_ids == baseline[n], (name, n)
+        return results, read_offline(work / name / "run")
+
+    _, stats = run("LW-save", prefix_caching=False)
+    assert stats.count("vllm:lmcm_layerwise_steps", kind="save") == 4
+    assert stats.count("vllm:lmcm_layerwise_steps", kind="save_fallback") == 0
+    files = sorted(lw_disk.glob("*/*.lmcm"))
+    assert len(files) == 2 + 3 + 3 + 2  # exact, plus, x, z (whose chunk 0 is x's)
+    for f in files:
+        key = f.name.removesuffix(".lmcm")
+        theirs = disk / f.parent.name / f.name
+        assert theirs.exists(), f"run A (whole-step) has no chunk {key}"
+        assert f.read_bytes() == theirs.read_bytes(), f"layer-wise chunk {key} differs from the whole-step one"
+
+    results, stats = run("LW-load", prefix_caching=True)
+    cached = {n: r.cached_tokens for (n, _), r in zip(plan, results, strict=True)}
+    assert cached == {"exact": 2 * CHUNK - 1, "plus": 2 * CHUNK + 17, "x": 599, "z": 749}, cached
+    assert stats.count("vllm:lmcm_layerwise_steps", kind="load") == 4
+    assert stats.count("vllm:lmcm_layerwise_steps", kind="load_fallback") == 0
+    assert stats.count("vllm:lmcm_load_failures") == 0
+    assert stats.count("vllm:lmcm_loads", mode="sync") == 4

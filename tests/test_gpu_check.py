@@ -63,3 +63,14 @@ def test_paged_buffers_have_vllms_strides(order):
     _, mine = gpu_check.paged_buffer(order, *geometry)
     assert [(t.shape, t.stride(), t.storage_offset()) for t in theirs] == \
         [(m.shape, m.stride(), m.storage_offset()) for m in mine]
+
+
+def test_the_layerwise_device_check_runs_on_cpu_and_is_bit_exact(tmp_path):
+    """benchmarks/gpu_layerwise.py: the connector's layer-wise saver and loader on paged KV as
+    vLLM allocates it, with vLLM's KV update of the step's new tokens before each wait."""
+    out = tmp_path / "gpu_layerwise.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_layerwise.py"), "--device", "cpu",
+                           "--quick", "--json", str(out)], capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2 and all(r["save_bit_exact"] and r["load_bit_exact"] for r in rows)

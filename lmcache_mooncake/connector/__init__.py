@@ -169,12 +169,27 @@ class LMCacheMooncakeConnector(KVConnectorBase_V1):
         self._worker_side().start_load_kv(self._step_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Worker: nothing to wait for: a request runs only once its load is complete."""
-        return
+        """Worker, before each attention layer: with ``layerwise``, wait (the compute stream
+        waits, on CUDA) for this layer's share of the step's synchronous loads; else
+        nothing to wait for (whole-step loads are in paged KV before the forward pass)."""
+        if self._worker is not None:
+            self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        """Worker: saves happen once per step in wait_for_save, over all layers."""
-        return
+        """Worker, after each attention layer: with ``layerwise``, queue the copy of this
+        layer's blocks of the step's planned saves; else nothing (saves copy all layers in
+        wait_for_save)."""
+        if self._worker is not None:
+            self._worker.save_kv_layer(layer_name, kv_layer, self._step_metadata())
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """vLLM, at start-up: the per-layer hooks must run between CUDA graph pieces when
+        ``layerwise`` is on (a captured graph would skip them on replay)."""
+        try:
+            return config_from_extra(extra_config).layerwise
+        except Exception:  # the connector's own start-up reports a bad config
+            return False
 
     def wait_for_save(self) -> None:
         """Worker: copy out and store the prompts this step finished computing."""

@@ -130,6 +130,9 @@ class SchedulerSide:
         self.save_enabled = save
         self.load_enabled = load
         self.producer = save and not load
+        #: Loads go to the worker's loader thread, the request held until done; never in
+        #: layer-wise mode, whose loads run in the request's own step, layer by layer.
+        self._load_async = cfg.async_loading and not cfg.layerwise
         self._reqs: dict[str, _Request] = {}
         self.stats = Stats()
         self.stats_path = stats_path
@@ -196,7 +199,7 @@ class SchedulerSide:
             "request %s: %d prompt tokens, %d cached in tiers, %d computed locally, loading %d",
             request.request_id, prompt_len, hit, num_computed_tokens, new,
         )
-        return new, bool(new and self.cfg.async_loading)
+        return new, bool(new and self._load_async)
 
     def _promised(self, request: Request, prompt_len: int) -> int:
         """Prompt tokens a producer said it stored (0 if none, or not a consumer)."""
@@ -216,7 +219,7 @@ class SchedulerSide:
         if rec is None or num_external_tokens <= 0:
             return
         rec.load = (rec.local_computed, rec.local_computed + num_external_tokens)
-        rec.load_async, rec.load_sent = self.cfg.async_loading, False
+        rec.load_async, rec.load_sent = self._load_async, False
         if rec.load_async:
             # The request waits (not scheduled) until the workers report the
             # load finished: its blocks are known now, and the load goes out

@@ -18,6 +18,7 @@ import torch
 from lmcache_mooncake.chunks.keys import KeyNamespace, namespace_for
 from lmcache_mooncake.config import CacheConfig
 from lmcache_mooncake.connector.direct import ENGINE, DirectLoader
+from lmcache_mooncake.connector.layerwise import LayerwiseLoader, LayerwiseSaver
 from lmcache_mooncake.connector.lookup import LookupReply, LookupServer
 from lmcache_mooncake.connector.metadata import LoadOp, SaveOp, StepMetadata
 from lmcache_mooncake.engine import (
@@ -72,6 +73,11 @@ class WorkerSide:
         self.namespace: KeyNamespace | None = None
         self.lookup_server: LookupServer | None = None
         self._failed_blocks: set[int] = set()
+        # Layer-wise mode (cfg.layerwise): layer name -> index, and the two pipelines.
+        self.layer_index: dict[str, int] = {}
+        self.saver: LayerwiseSaver | None = None
+        self.loader: LayerwiseLoader | None = None
+        self._staged_loads: list[LoadOp] = []
         fix_mmap_threshold(cfg.heap_mmap_threshold)
         self.heap = HeapTrimmer(cfg.heap_trim_interval)
         # Asynchronous loads in flight, by request; one loader thread.
@@ -95,8 +101,13 @@ class WorkerSide:
     # -- set-up ------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv_caches = list(kv_caches.values())
+        self.layer_index = {name: i for i, name in enumerate(kv_caches)}
         first = self.kv_caches[0]
         _, num_heads, block_size, head_size = self.layout.kv_shape(first, self.block_size)
+        if self.cfg.layerwise:
+            # block_size: the tensors' own (kernel) block size, which slots count in.
+            self.saver = LayerwiseSaver(self.kv_caches, block_size)
+            self.loader = LayerwiseLoader(self.kv_caches, block_size, self.layout)
         dtype = str(first.dtype).removeprefix("torch.")
         self.namespace = namespace_for(
             self.model_id, dtype, len(self.kv_caches), num_heads, head_size, self.cfg.chunk_size,
@@ -112,9 +123,10 @@ class WorkerSide:
         # any difference in them gives the two different keys.
         logger.info(
             "lmcache-mooncake worker ready (TP rank %d of %d): key namespace %s = model %r, KV dtype %s, "
-            "%d layers, %d KV heads, head size %d, chunk size %d, chunks as %s; %s layout, disk tier %s",
+            "%d layers, %d KV heads, head size %d, chunk size %d, chunks as %s; %s layout, disk tier %s; %s",
             self.tp_rank, self.tp_size, ns.hex(), ns.model, ns.kv_dtype, ns.num_layers, ns.num_kv_heads,
             ns.head_size, ns.chunk_size, ns.chunk_layout, self.layout.name, self.cfg.disk_path,
+            "layer-wise saves and (synchronous) loads" if self.cfg.layerwise else "whole-step saves and loads",
         )
 
     def _require_engine(self) -> None:
@@ -145,7 +157,11 @@ class WorkerSide:
         an 8,192-token load from the CPU tier took 44-51 ms there against 28-31
         ms in the step (``docs/performance.md``)."""
         self.heap.note_step()
+        if self.loader is not None:
+            self._begin_layerwise_loads([op for op in meta.loads if not op.asynchronous])
         for op in meta.loads:
+            if self.loader is not None and not op.asynchronous:
+                continue  # read into staging above; in paged KV layer by layer
             if op.asynchronous and meta.idle and all(f.done() for f, _ in self._loading.values()):
                 done: Future = Future()
                 done.set_result(self._load(op))
@@ -155,16 +171,62 @@ class WorkerSide:
             else:
                 self._failed_blocks.update(self._load(op))
 
-    def _load(self, op: LoadOp) -> set[int]:
+    def _begin_layerwise_loads(self, ops: list[LoadOp]) -> None:
+        """Read this step's synchronous loads into the loader's staging copy and queue their
+        layers' copies into paged KV (:mod:`.layerwise`); their failed blocks are reported now."""
+        aligned = [(op.start // self.cfg.chunk_size) * self.cfg.chunk_size for op in ops]
+        self._staged_loads = ops
+        try:
+            staged = self.loader.begin([(op.slots, a, op.start) for op, a in zip(ops, aligned, strict=True)])
+        except Exception:
+            logger.exception("layer-wise load: staging failed; vLLM will recompute")
+            self._staged_loads = []
+            for op in ops:
+                self._failed_blocks.update(self._planned_blocks(op))
+            return
+        for op, into in zip(ops, staged, strict=True):
+            self._failed_blocks.update(self._load(op, into.kv_caches, into.slots))
+        self.loader.start()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.loader is not None and self.loader.active:
+            self.loader.wait_layer(self.layer_index.get(layer_name, -1))
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, meta: StepMetadata) -> None:
+        """After layer ``layer_name``'s attention: queue the copy of its blocks of ``meta``'s
+        saves. The first call of a step stages them (not ``start_load_kv``: vLLM calls that
+        after the forward pass in a step without synchronous loads)."""
+        if self.saver is None or not meta.saves:
+            return
+        if self.saver.step_of is not meta:
+            try:
+                self.saver.begin([op.slots for op in meta.saves], [op.skip for op in meta.saves], meta)
+            except Exception:  # the saves then copy from paged KV after the step, as without layerwise
+                logger.exception("layer-wise save: staging failed; saving this step's prompts after the step")
+                return
+        index = self.layer_index.get(layer_name)
+        if index is not None:
+            self.saver.layer(index, kv_layer)
+
+    def _planned_blocks(self, op: LoadOp) -> list[int]:
+        return op.block_ids[op.start // self.block_size : -(-op.end // self.block_size)]
+
+    def _load(self, op: LoadOp, kv_caches: list[torch.Tensor] | None = None,
+              slot_list: list[int] | None = None) -> set[int]:
         """Load one request's planned chunks; returns the blocks that were not loaded.
 
         The chunks go in order, in runs: those the CPU tier does not hold straight
         from their files, or from the store client's staging region, into paged KV
         (:mod:`.direct`), the others through LMCache's ``retrieve``. The first chunk not loaded
-        stops the load; every block from it on is returned."""
+        stops the load; every block from it on is returned.
+
+        ``kv_caches`` / ``slot_list``: where to write instead of vLLM's paged KV at
+        ``op.slots`` (the layer-wise loader's staging copy)."""
         self._require_engine()
+        kv_caches = self.kv_caches if kv_caches is None else kv_caches
+        slot_list = op.slots if slot_list is None else slot_list
         tokens = torch.tensor(op.token_ids, dtype=torch.long)
-        slots = torch.tensor(op.slots, dtype=torch.long)
+        slots = torch.tensor(slot_list, dtype=torch.long)
         # Chunks wholly before `start` are not read at all.
         aligned = (op.start // self.cfg.chunk_size) * self.cfg.chunk_size
         mask = torch.ones(len(tokens), dtype=torch.bool)
@@ -176,13 +238,13 @@ class WorkerSide:
         loaded = aligned
         try:
             chunks = list(self.engine.token_database.process_tokens(tokens, mask=mask, request_configs=rc))
-            runs = self._direct.segments(chunks, self.kv_caches) if self._direct is not None else [(ENGINE, chunks)]
+            runs = self._direct.segments(chunks, kv_caches) if self._direct is not None else [(ENGINE, chunks)]
             for kind, run in runs:
                 first, last = run[0][0], run[-1][1]
                 if kind == ENGINE:
-                    loaded = self._retrieve(op, tokens[:last], slots, first, rc)
+                    loaded = self._retrieve(op, tokens[:last], slots, first, rc, kv_caches)
                 else:
-                    loaded = self._direct.load(kind, run, self.kv_caches, op.slots, op.start, op.end)
+                    loaded = self._direct.load(kind, run, kv_caches, slot_list, op.start, op.end)
                 if loaded < last:
                     break
         except Exception:
@@ -208,7 +270,7 @@ class WorkerSide:
         return set(bad)
 
     def _retrieve(self, op: LoadOp, tokens: torch.Tensor, slots: torch.Tensor, first: int,
-                  rc: dict) -> int:
+                  rc: dict, kv_caches: list[torch.Tensor]) -> int:
         """LMCache's retrieve of the chunks of ``tokens`` from ``first`` (a chunk start) on;
         returns where the loaded prefix ends."""
         mask = torch.zeros(len(tokens), dtype=torch.bool)
@@ -216,7 +278,7 @@ class WorkerSide:
         ret = self.engine.retrieve(
             tokens,
             mask=mask,
-            kvcaches=self.kv_caches,
+            kvcaches=kv_caches,
             slot_mapping=slots,
             skip_leading_tokens=op.start,
             load_end=op.end,
@@ -226,11 +288,28 @@ class WorkerSide:
         return first + int(ret[first:].long().cumprod(0).sum().item())
 
     def save(self, meta: StepMetadata) -> None:
-        for op in meta.saves:
-            self._save(op)
+        """End of the step's forward pass (vLLM's ``wait_for_save``): store the planned saves
+        (in layer-wise mode from the staging copy the layers filled) and end the step's
+        layer-wise loads."""
+        if self._staged_loads:
+            missing = self.loader.finish()
+            for op in self._staged_loads:
+                self.stats.add("layerwise_load_fallbacks" if missing else "layerwise_loads")
+                if missing:
+                    self._failed_blocks.update(self._planned_blocks(op))
+        self._staged_loads = []
+        staged = self.saver.finish() if self.saver is not None else []
+        for i, op in enumerate(meta.saves):
+            into = staged[i] if i < len(staged) else None
+            if self.saver is not None:
+                ok = into is not None and into.kv_caches is not None
+                self.stats.add("layerwise_saves" if ok else "layerwise_save_fallbacks")
+            self._save(op, into.kv_caches if into else None, into.slots if into else None)
         self.stats.dump(self.stats_path)
 
-    def _save(self, op: SaveOp) -> None:
+    def _save(self, op: SaveOp, kv_caches: list[torch.Tensor] | None = None,
+              slots: torch.Tensor | None = None) -> None:
+        """Store ``op``'s tokens from paged KV, or from ``kv_caches`` at ``slots`` (staging)."""
         self._require_engine()
         tokens = torch.tensor(op.token_ids, dtype=torch.long)
         mask = torch.ones(len(tokens), dtype=torch.bool)
@@ -248,8 +327,8 @@ class WorkerSide:
             self.engine.store(
                 tokens,
                 mask=mask,
-                kvcaches=self.kv_caches,
-                slot_mapping=torch.tensor(op.slots, dtype=torch.long),
+                kvcaches=self.kv_caches if kv_caches is None else kv_caches,
+                slot_mapping=torch.tensor(op.slots, dtype=torch.long) if slots is None else slots,
                 request_configs=rc,
                 req_id=op.req_id,
             )
@@ -293,7 +372,7 @@ class WorkerSide:
                 self._failed_blocks.update(future.result())
             except Exception:  # _load catches its own errors; never let vLLM use unloaded blocks
                 logger.exception("request %s: the background load failed; vLLM will recompute", r)
-                self._failed_blocks.update(op.block_ids[op.start // self.block_size : -(-op.end // self.block_size)])
+                self._failed_blocks.update(self._planned_blocks(op))
         return self._saved(finished_req_ids), (loaded or None)
 
     def _saved(self, finished_req_ids: set[str]) -> set[str] | None:
@@ -323,6 +402,8 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         self._loader.shutdown(wait=True)
+        if self.loader is not None:
+            self.loader.finish_all()
         self.heap.close()
         if self.lookup_server is not None:
             self.lookup_server.close()

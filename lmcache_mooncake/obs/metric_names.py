@@ -86,6 +86,10 @@ FAMILIES: tuple[Family, ...] = (
        "loads_failed_recomputed"),
     _c("load_failed_tokens", "Planned tokens that were not loaded and were recomputed.", "load_failed_tokens"),
     _c("saved_tokens", "Prompt tokens handed to the tiers to store.", "saved_tokens"),
+    _c("layerwise_steps", "Layer-wise mode: saves and loads copied layer by layer (staged), and those that fell "
+       "back (save: from paged KV after the step; load: recomputed) because vLLM skipped the per-layer hooks.",
+       {"layerwise_saves": "save", "layerwise_loads": "load", "layerwise_save_fallbacks": "save_fallback",
+        "layerwise_load_fallbacks": "load_fallback"}, "kind"),
     _c("save_failures", "Saves that raised (the prompt is not cached).", "save_failures"),
     _c("consumer_requests", "Consumer requests that came with a producer's promise of stored chunks.",
        "consumer_requests"),
