@@ -43,6 +43,8 @@ MODES = {
     "whole-step, synchronous loads": (None, {"async_loading": False}),
     "layer-wise": ({"layerwise": True}, {"layerwise": True}),
 }
+#: Short server names (a Unix socket path under each server's folder has at most 107 bytes).
+SHORT = {"whole-step": "whole", "whole-step, synchronous loads": "sync", "layer-wise": "lw"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small model, 512-token prompts: a smoke run")
     ap.add_argument("--json", type=Path, default=RESULTS / "layerwise.json")
     ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--readers-only", action="store_true",
+                    help="skip the writers: the readers read the disk folders an earlier run left in --work")
     args = ap.parse_args(argv)
 
     from lmcache_mooncake.testing.models import ModelSpec, build_model
@@ -86,9 +90,9 @@ def main(argv: list[str] | None = None) -> int:
 
     servers: list[Server] = []
     try:
-        writers = [(label, w) for label, (w, _) in MODES.items() if w is not None]
-        launch = [lambda label=label, w=w: server(f"writer-{label.replace(' ', '')}", label, w, disks[label], True)
-                  for label, w in writers]
+        writers = [(label, w) for label, (w, _) in MODES.items() if w is not None and not args.readers_only]
+        launch = [lambda label=label, w=w: server(f"w-{SHORT[label]}", label, w, disks[label], True)
+                  for label, w in writers] if not args.readers_only else []
         for (label, _), s in zip(writers, ready_in_groups(launch, servers), strict=True):
             for tokens in prompts.values():
                 measure(s, label, "compute + save", tokens)
@@ -97,8 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                     measure(s, label, "CPU tier, same process", tokens)
             s.stop()
         readers = list(MODES.items())
-        launch = [lambda label=label, r=r: server(f"reader-{label.replace(' ', '').replace(',', '-')}", label, r,
-                                                  disks[writer_of[label]], False)
+        launch = [lambda label=label, r=r: server(f"r-{SHORT[label]}", label, r, disks[writer_of[label]], False)
                   for label, (_, r) in readers]
         for (label, _), s in zip(readers, ready_in_groups(launch, servers, size=3), strict=True):
             for tokens in prompts.values():
