@@ -138,3 +138,37 @@ def test_wait_healthy_refuses_a_port_another_program_answers_on(tmp_path):
     finally:
         procs.stop_group(child)
         procs.stop_group(other)
+
+
+def test_a_held_port_is_neither_handed_out_nor_bindable_until_released():
+    """up holds the proxy's port while the store and vLLM pick free ports (one of them once
+    took it: the proxy then failed with 'address already in use')."""
+    port = procs.free_port()
+    hold = procs.hold_port(port)
+    assert hold is not None
+    try:
+        assert procs.port_in_use(port)
+        assert all(procs.free_port() != port for _ in range(50))
+        with pytest.raises(OSError, match=f"port {port} .* already in use"):
+            procs.hold_port(port)
+    finally:
+        hold.close()
+    with socket.socket() as s:  # the control: released, the proxy can bind it
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+        s.listen()
+
+
+def test_up_refuses_a_proxy_port_in_use_before_starting_anything(tmp_path):
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "lmcache_mooncake.cli", "up", "--model", str(tmp_path),
+                              "--port", str(port), "--state-dir", str(tmp_path / "store"),
+                              "--work-dir", str(tmp_path / "w")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"--port {port} is not free" in out.stderr
+    assert not (tmp_path / "store" / "store.json").exists()

@@ -204,6 +204,14 @@ def run(args: argparse.Namespace) -> int:
     def on_signal(signum: int, frame: object) -> None:
         stop_event.set()
 
+    try:
+        # Held until the proxy starts: the store and the vLLMs pick free ports of their own
+        # meanwhile, and one of them once took the proxy's.
+        port_hold = procs.hold_port(args.port)
+    except OSError as e:
+        print(f"up: the proxy's --port {args.port} is not free: {e.strerror}; pass another --port",
+              file=sys.stderr)
+        return 2
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         stack.store_dir = Path(args.state_dir or default_state_dir()).expanduser()
@@ -224,6 +232,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"up: {child.name} is ready", file=sys.stderr)
         proxy_cmd = proxy_command(args, model, stack.store_dir, [c.url for c in stack.instances("prefill")],
                                   [c.url for c in stack.instances("decode")])
+        if port_hold is not None:
+            port_hold.close()
         proxy = stack.spawn("proxy", proxy_cmd, dict(os.environ), url=f"http://127.0.0.1:{args.port}")
         stack.wait_healthy(proxy, 120)
         print(f"\nlmcache-mooncake stack is up: OpenAI API at http://127.0.0.1:{args.port}/v1 "
@@ -235,6 +245,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"up: error: {e}", file=sys.stderr)
         return 1
     finally:
+        if port_hold is not None:
+            port_hold.close()
         stack.stop()
         for s, h in old.items():
             signal.signal(s, h)

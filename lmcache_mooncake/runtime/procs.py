@@ -14,6 +14,7 @@ Nothing here is on the serving path.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import signal
@@ -227,6 +228,25 @@ def port_in_use(port: int, host: str = LOOPBACK) -> bool:
             except OSError:
                 return True
     return False
+
+
+def hold_port(port: int, host: str = LOOPBACK) -> socket.socket | None:
+    """A socket bound (not listening) to ``host:port``, so that no other process, and no port
+    the kernel hands out meanwhile, takes the port until the caller closes it right before
+    its own server binds it (``up`` holds the proxy's port while the store and the vLLMs,
+    which pick free ports of their own, start). ``None`` when the port is free but cannot
+    be held (only connections of an earlier server in TIME_WAIT on it). Raises ``OSError``
+    naming the port when it is in use."""
+    if port_in_use(port, host):
+        raise OSError(errno.EADDRINUSE, f"port {port} on {host} is already in use")
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        # No SO_REUSEADDR: with it on both sides, Linux lets a second socket bind the port.
+        s.bind((host, port))
+    except OSError:
+        s.close()
+        return None
+    return s
 
 
 def free_port(exclude: set[int] | None = None) -> int:
