@@ -51,6 +51,7 @@ reused (grown when a step needs more); it is pinned on CUDA.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -91,10 +92,7 @@ class StagingPool:
 
 
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    n = torch.empty((), dtype=dtype).element_size()
-    for d in shape:
-        n *= d
-    return n
+    return dtype.itemsize * math.prod(shape)
 
 
 @dataclass
