@@ -143,7 +143,7 @@ def _full_slots(n: int, lo: int, staged: torch.Tensor) -> torch.Tensor:
 class _Step:
     map: BlockMap
     staged: list[torch.Tensor]
-    device_blocks: torch.Tensor  # map.blocks on the KV's device
+    device_blocks: torch.Tensor | None  # map.blocks on the KV's device (the saver's); None for the loader
     handles: dict[int, CopyHandle] = field(default_factory=dict)
 
 
@@ -263,7 +263,7 @@ class LayerwiseLoader:
         device = self.kv_caches[0].device
         loaded = torch.cat([s[start:] for s, (_, _, start) in zip(slots, loads, strict=True)])
         self._plan = _Back.of(bmap, loaded, device)
-        self._step = _Step(bmap, staged, bmap.blocks.to(device))
+        self._step = _Step(bmap, staged, None)  # the loader writes back through self._plan
         return [StagedLoad(staged, _full_slots(len(s), first, bmap.remap(s[first:])).tolist())
                 for s, (_, first, _) in zip(slots, loads, strict=True)]
 
