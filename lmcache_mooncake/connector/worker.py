@@ -174,7 +174,7 @@ class WorkerSide:
     def _begin_layerwise_loads(self, ops: list[LoadOp]) -> None:
         """Read this step's synchronous loads into the loader's staging copy and queue their
         layers' copies into paged KV (:mod:`.layerwise`); their failed blocks are reported now."""
-        aligned = [(op.start // self.cfg.chunk_size) * self.cfg.chunk_size for op in ops]
+        aligned = [self._chunk_start(op) for op in ops]
         self._staged_loads = ops
         try:
             staged = self.loader.begin([(op.slots, a, op.start) for op, a in zip(ops, aligned, strict=True)])
@@ -208,6 +208,10 @@ class WorkerSide:
         if index is not None:
             self.saver.layer(index, kv_layer)
 
+    def _chunk_start(self, op: LoadOp) -> int:
+        """The start of the chunk ``op.start`` falls in: where ``op``'s load reads from."""
+        return (op.start // self.cfg.chunk_size) * self.cfg.chunk_size
+
     def _planned_blocks(self, op: LoadOp) -> list[int]:
         return op.block_ids[op.start // self.block_size : -(-op.end // self.block_size)]
 
@@ -228,7 +232,7 @@ class WorkerSide:
         tokens = torch.tensor(op.token_ids, dtype=torch.long)
         slots = torch.tensor(slot_list, dtype=torch.long)
         # Chunks wholly before `start` are not read at all.
-        aligned = (op.start // self.cfg.chunk_size) * self.cfg.chunk_size
+        aligned = self._chunk_start(op)
         mask = torch.ones(len(tokens), dtype=torch.bool)
         mask[:aligned] = False
         logger.debug("request %s: loading tokens [%d, %d) from chunks starting at %d",
