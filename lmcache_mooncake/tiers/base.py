@@ -131,6 +131,12 @@ class VerifiedTier(RemoteConnector):
     """LMCache remote connector over verified chunk objects; see the module docstring."""
 
     PLUGIN_NAME: ClassVar[str]
+    #: The prefix of this tier's verification counters (``{prefix}_verify_failures``, ``{prefix}_foreign_kept``).
+    STATS_PREFIX: ClassVar[str]
+    #: How this tier's warnings name it ("disk tier"), and what becomes of a chunk another writer's
+    #: format or secret sealed (the end of :meth:`_count_failed_check`'s warning).
+    LOG_NAME: ClassVar[str]
+    FOREIGN_KEPT_NOTE: ClassVar[str]
 
     def __init__(self, loop: asyncio.AbstractEventLoop, local_cpu_backend: Any, config: Any):
         super().__init__(local_cpu_backend.config, local_cpu_backend.metadata)
@@ -194,6 +200,19 @@ class VerifiedTier(RemoteConnector):
     def _put_recorded(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
         self._manifest.record(self.ctx.namespace, self._record_manifest)
         self._put_sync(keys, memory_objs)
+
+    def _count_failed_check(self, name: object, why: Exception) -> bool:
+        """Count a chunk that failed its check. One another chunk format version or chunk auth
+        secret wrote (:class:`~lmcache_mooncake.chunks.chunk_format.ForeignChunkError`) is also
+        counted as kept and warned about (on the tier's own module logger): True, the caller keeps
+        it for its writers; False for any other failure (the caller removes the chunk and warns)."""
+        self.stats.add(f"{self.STATS_PREFIX}_verify_failures")
+        if not isinstance(why, chunk_format.ForeignChunkError):
+            return False
+        self.stats.add(f"{self.STATS_PREFIX}_foreign_kept")
+        logging.getLogger(type(self).__module__).warning(
+            "%s: chunk %s is not this instance's to read (%s); %s", self.LOG_NAME, name, why, self.FOREIGN_KEPT_NOTE)
+        return True
 
     def _allocate(self, header: chunk_format.ChunkHeader, busy_loop: bool = True) -> MemoryObj | None:
         """An LMCache buffer for the chunk ``header`` describes, or None (no memory: a miss)."""

@@ -123,6 +123,9 @@ class DiskTierConnector(VerifiedTier):
     """LMCache remote connector over a local folder of verified chunk files."""
 
     PLUGIN_NAME = PLUGIN_NAME
+    STATS_PREFIX = "disk"
+    LOG_NAME = "disk tier"
+    FOREIGN_KEPT_NOTE = "kept, will recompute"
 
     def __init__(self, loop: Any, local_cpu_backend: Any, config: Any):
         super().__init__(loop, local_cpu_backend, config)
@@ -182,11 +185,7 @@ class DiskTierConnector(VerifiedTier):
     def _discard_bad(self, path: Path, why: chunk_format.ChunkVerificationError) -> None:
         """Count a chunk that failed its check and remove it, unless another format version or
         chunk auth secret wrote it (a folder may be shared): that one stays for its writers."""
-        self.stats.add("disk_verify_failures")
-        if isinstance(why, chunk_format.ForeignChunkError):
-            self.stats.add("disk_foreign_kept")
-            logger.warning("disk tier: chunk %s is not this instance's to read (%s); kept, will recompute",
-                           path, why)
+        if self._count_failed_check(path, why):
             return
         logger.warning("disk tier: chunk %s failed verification (%s); removed, will recompute", path, why)
         try:

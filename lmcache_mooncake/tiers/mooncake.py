@@ -93,6 +93,9 @@ class MooncakeTierConnector(VerifiedTier):
     """LMCache remote connector over a Mooncake Store (verified chunk objects)."""
 
     PLUGIN_NAME = PLUGIN_NAME
+    STATS_PREFIX = "store"
+    LOG_NAME = "Mooncake tier"
+    FOREIGN_KEPT_NOTE = "recomputing, the chunk stays in the store for the instances that wrote it"
 
     def __init__(self, loop: Any, local_cpu_backend: Any, config: Any):
         super().__init__(loop, local_cpu_backend, config)
@@ -318,11 +321,7 @@ class MooncakeTierConnector(VerifiedTier):
         removed unless it is another writer's (another format or chunk auth secret)."""
         if obj is not None:
             obj.ref_count_down()
-        self.stats.add("store_verify_failures")
-        if isinstance(e, chunk_format.ForeignChunkError):
-            self.stats.add("store_foreign_kept")
-            logger.warning("Mooncake tier: chunk %s is not this instance's to read (%s); recomputing, "
-                           "the chunk stays in the store for the instances that wrote it", name, e)
+        if self._count_failed_check(name, e):
             return
         logger.warning("Mooncake tier: chunk %s failed verification (%s); recomputing", name, e)
         bad.append(name)
