@@ -154,8 +154,9 @@ class WorkerSide:
         other request runs) and that finds no load in flight runs here too, and
         is reported by this step's :meth:`get_finished`. On the loader thread it
         would share the cores with vLLM's loop of empty steps and take longer:
-        an 8,192-token load from the CPU tier took 44-51 ms there against 28-31
-        ms in the step (``docs/performance.md``)."""
+        an 8,192-token load from the CPU tier took markedly longer there than in
+        the step (``benchmarks/step_timeline.py`` times a served load, ``load`` in
+        its summary; its ``+sync`` modes load in the step)."""
         self.heap.note_step()
         if self.loader is not None:
             self._begin_layerwise_loads([op for op in meta.loads if not op.asynchronous])

@@ -15,9 +15,10 @@ tokens (``N`` the block size):
 So a whole block moves between paged KV and a chunk with a plain memory copy
 (one per run of consecutive blocks, for all layers at once when vLLM keeps the
 layers in one allocation), instead of the transposing copy the ``"tokens"``
-layout needs for ``CPU_ATTN``'s column-major K: 8,192 tokens of Qwen2-0.5B
-(192 MiB) scatter in 13.6 ms instead of 22.5 ms on two threads here, as fast as
-``memcpy`` (``docs/performance.md``). Tokens of a block that a copy covers only
+layout needs for ``CPU_ATTN``'s column-major K, and a scatter of whole blocks
+runs at about the speed of a plain copy of the same bytes. ``benchmarks/layout_copy.py``
+times it against that copy (rows ``(chunk as blocks)``, ``--threads``), and
+``benchmarks/tier_load.py`` a whole tier load against memcpy. Tokens of a block that a copy covers only
 in part (a load that ends inside a block) move through the layout's K/V views.
 
 The bytes depend on the backend's layout, so the chunk layout is part of the

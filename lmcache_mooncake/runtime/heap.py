@@ -32,16 +32,18 @@ without ``mallopt``/``malloc_trim`` both do nothing.
 
 **Only when idle (2026-12-04).** The vLLM processes our tools start now keep
 freed blocks in the heap on purpose (``malloc_env.py``: glibc would otherwise
-unmap and fault in a step's activations again in every step, about 25% of a
-prefill step's time here). A trim in the middle of a busy period undoes that:
-the next step faults its whole working set in again. A producer measured
-4.43 / 3.88 / 3.62 s for three 16 x 1,024-token batches with the trimmer
-every 5 s, and 4.03 / 3.68 / 3.69 s without it (``docs/performance.md``). So
+unmap and fault in a step's activations again in every step, a large part of
+a prefill step's time on the CPU build). A trim in the middle of a busy period undoes that:
+the next step faults its whole working set in again. A producer's batches
+(16 x 1,024 tokens each, a probe that was not kept) were slower with the trimmer
+every 5 s than without it, the first batch most. So
 the trimmer now trims once the worker has run no step for ``interval_s``
 (:meth:`HeapTrimmer.note_step`, called by the worker each step). Under
 continuous load it still trims at most every ``max_busy_s`` (default: 20
 intervals), so a server that is never idle still hands back its holes now
-and then.
+and then. What this costs or saves shows in a producer's throughput:
+``benchmarks/warmup_throughput.py`` times warm-up (a producer) against plain
+prefill of the same batches.
 """
 
 from __future__ import annotations

