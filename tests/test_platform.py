@@ -166,6 +166,14 @@ def test_up_refuses_three_instances_on_two_gpus(monkeypatch, capsys):
     assert "--gpus" in err
 
 
+def test_up_decode_saves_makes_decode_instances_kv_both(monkeypatch, capsys):
+    fake(monkeypatch, CPU)
+    assert [kv_role(cmd) for _, cmd in up_plan(capsys, "--decode", "2")] == ["kv_producer", "kv_consumer",
+                                                                            "kv_consumer"]
+    assert [kv_role(cmd) for _, cmd in up_plan(capsys, "--decode", "2", "--decode-saves")] == [
+        "kv_producer", "kv_both", "kv_both"]
+
+
 def test_up_on_cpu_builds_the_commands_it_always_did(monkeypatch, capsys):
     fake(monkeypatch, CPU)
     cores = sorted(os.sched_getaffinity(0))

@@ -2,7 +2,9 @@
 
 Starts, in order: the embedded Mooncake Store (unless one is already running
 in the state folder), ``--prefill N`` prefill vLLMs (kv_producer) and
-``--decode M`` decode vLLMs (kv_consumer), each on its own port and core set
+``--decode M`` decode vLLMs (kv_consumer; kv_both with ``--decode-saves``, so
+that what a decode instance computes itself, the new turn of a conversation
+sent straight to it, is in the store for the next turn), each on its own port and core set
 (:func:`core_sets`), and the proxy in front of them all (prefix routing and
 direct decode, with the model's tokenizer), all on loopback; waits until each
 answers; prints the proxy's URL. On CUDA (:mod:`lmcache_mooncake.platform`)
@@ -148,6 +150,10 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill instances (default 1)")
     p.add_argument("--decode", type=int, default=1, metavar="M", help="decode instances (default 1)")
+    p.add_argument("--decode-saves", action=argparse.BooleanOptionalAction, default=False,
+                   help="decode instances also save the prompt tokens they compute themselves (kv_both) to the "
+                   "store, so the next turn of a conversation the proxy sent straight to decode finds them "
+                   "(default off: decode only loads, kv_consumer)")
     p.add_argument("--routing", choices=["prefix", "round-robin"], default="prefix",
                    help="the proxy's routing (default prefix)")
     p.add_argument("--proxy-arg", action="append", default=[], metavar="ARG",
@@ -278,7 +284,9 @@ def plan_instances(args: argparse.Namespace, plat: platform.Platform, model: str
         overrides = {"run_dir": str(run_dir), "mooncake": {"store_dir": str(store_dir)}}
         flags = ["--enable-prompt-tokens-details", *platform.instance_vllm_args(plat, args.kv_cache_gib, args.vllm_arg),
                  *args.vllm_arg]
-        cmd = vllm_command(role, model, "127.0.0.1", port, default_config_file(role), flags, overrides)
+        # A saving decode runs as kv_both with the decode configuration (the store, no disk).
+        kv_role = "both" if role == "decode" and args.decode_saves else role
+        cmd = vllm_command(kv_role, model, "127.0.0.1", port, default_config_file(role), flags, overrides)
         where = f"GPU {gpu}" if gpu is not None else f"cores {','.join(map(str, mine))}"
         launches.append(Launch(name, role, port, cmd, added, where, run_dir))
     return launches

@@ -45,6 +45,8 @@ class UpSpec:
     #: Extra vLLM arguments of every instance, e.g. ``["--dtype=float32", "--max-model-len=4096"]``.
     vllm_args: list[str] = field(default_factory=list)
     proxy_args: list[str] = field(default_factory=list)
+    #: ``up --decode-saves``: decode instances save what they compute (kv_both).
+    decode_saves: bool = False
     env: Mapping[str, str] | None = None
     start_timeout_s: float = 600.0
     stop_grace_s: float = 60.0
@@ -62,7 +64,7 @@ def up_command(spec: UpSpec, port: int) -> list[str]:
     return [sys.executable, "-m", "lmcache_mooncake.cli", "up", "--model", spec.model, "--port", str(port),
             "--prefill", str(spec.prefill), "--decode", str(spec.decode),
             "--state-dir", str(spec.work / "store"), "--store-memory", spec.store_memory,
-            "--work-dir", str(spec.work / "up"),
+            "--work-dir", str(spec.work / "up"), *(["--decode-saves"] if spec.decode_saves else []),
             *(f"--vllm-arg={a}" for a in spec.vllm_args), *(f"--proxy-arg={a}" for a in spec.proxy_args)]
 
 
