@@ -14,6 +14,11 @@ generated Llama of ``--size``, ``--dtype float32`` and
   (a core each) and the proxy (prefix routing, direct decode).
 - ``up 1P+2D`` (``--with-2-decode``): ``up --prefill 1 --decode 2``; on 2 cores the
   three instances share them.
+- ``up 1P+1D, D saves`` (``up-ds``): ``up --decode-saves`` (decode instances also save
+  the prompt tokens they compute) with the proxy's ``--direct-decode-max-uncached
+  512`` (straight to decode while at most two chunks are missing, not one): the
+  settings for conversations, whose new turns the decode instance then computes and
+  saves for the turn after.
 
 Workloads (the same ``--seed`` for every setup; ``--num-prompts`` each):
 
@@ -25,6 +30,18 @@ Workloads (the same ``--seed`` for every setup; ``--num-prompts`` each):
   model's chat template; each turn's prompt is the previous turn's, its (fixed)
   assistant answer and a new user message of ``--chat-message-tokens`` tokens.
   Ordered turn by turn (turn 1 of every conversation, then turn 2, ...), unshuffled.
+- ``chat after restart`` (``chat-restart``; plain vLLM and the connector only): other
+  conversations of the same shape; the first half of the turns is sent, the server
+  is stopped and started again (the connector keeps its disk folder), and the rest
+  of the turns is measured: plain vLLM recomputes each conversation, the connector
+  loads it from disk. The ``up`` setups skip it (restarting ``up`` restarts its store).
+
+Setups only named with ``--setups``, to find out where a difference comes from:
+``connector-load`` (the connector as ``kv_consumer``: lookups and loads, no
+saves), ``connector-cpu`` (CPU tier only, no disk). ``--repeat N``
+runs the setups N times in turn, each on a fresh server, so that a difference can
+be told from the noise of single 16-request cells; ``--proxy-arg`` passes an
+argument to the proxy of the ``up`` setups.
 
 Every request asks for ``--output-len`` tokens with ``--ignore-eos``. Per setup and
 workload: request throughput, output tokens/s, TTFT and TPOT p50/p90/p99 (ms),
@@ -66,8 +83,16 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 MAX_MODEL_LEN = 4096
 
-SETUPS = {"plain": "plain vLLM", "connector": "vLLM + connector", "up": "up 1P+1D", "up-2d": "up 1P+2D"}
-WORKLOADS = {"prefix": "prefix_repetition", "random": "random", "chat": "multi-turn chat"}
+SETUPS = {"plain": "plain vLLM", "connector": "vLLM + connector", "up": "up 1P+1D", "up-2d": "up 1P+2D",
+          # Not in make bench; for finding out where a difference comes from:
+          "connector-load": "vLLM + connector, loads only", "connector-cpu": "vLLM + connector, CPU tier only",
+          "up-ds": "up 1P+1D, D saves"}
+#: ``up-ds``: decode instances save what they compute, and the proxy sends a request straight to
+#: decode while at most two chunks of it are missing (a conversation's new turn), not one.
+UP_DS_PROXY_ARGS = ("--direct-decode-max-uncached=512",)
+WORKLOADS = {"prefix": "prefix_repetition", "random": "random", "chat": "multi-turn chat",
+             "chat-restart": "chat after restart"}
+UP_SETUPS = ("up", "up-2d", "up-ds")
 
 
 @dataclass
@@ -107,7 +132,7 @@ class Run:
 
 
 def chat_jsonl(path: Path, model: str, conversations: int, turns: int, first_tokens: int, message_tokens: int,
-               answer_tokens: int, seed: int) -> int:
+               answer_tokens: int, seed: int) -> list[str]:
     """Write the multi-turn JSONL (one ``{"prompt": ...}`` per line, turn by turn); returns the lines."""
     from transformers import AutoTokenizer
 
@@ -131,7 +156,7 @@ def chat_jsonl(path: Path, model: str, conversations: int, turns: int, first_tok
             text = tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
             lines.append(json.dumps({"prompt": text.removeprefix(tok.bos_token or "")}))
     path.write_text("\n".join(lines) + "\n")
-    return len(lines)
+    return lines
 
 
 def workload_args(name: str, args: argparse.Namespace, chat_file: Path) -> tuple[list[str], int]:
@@ -144,9 +169,13 @@ def workload_args(name: str, args: argparse.Namespace, chat_file: Path) -> tuple
     if name == "random":
         return (["--dataset-name", "random", "--random-input-len", str(args.prefix_len + args.suffix_len),
                  "--random-output-len", str(args.output_len)], args.num_prompts)
-    n = args.chat_conversations * args.chat_turns
-    return (["--dataset-name", "custom", "--dataset-path", str(chat_file), "--skip-chat-template",
-             "--disable-shuffle", "--custom-output-len", str(args.output_len)], n)
+    return custom_args(chat_file, args.output_len), args.chat_conversations * args.chat_turns
+
+
+def custom_args(path: Path, output_len: int) -> list[str]:
+    """vLLM's ``custom`` dataset of a JSONL of rendered prompts, in file order."""
+    return ["--dataset-name", "custom", "--dataset-path", str(path), "--skip-chat-template",
+            "--disable-shuffle", "--custom-output-len", str(output_len)]
 
 
 # -- setups -----------------------------------------------------------------------------------
@@ -171,21 +200,31 @@ def plain_server(name: str, model: str, work: Path, kv: dict[str, Any] | None) -
 
 
 @contextlib.contextmanager
-def up_setup(name: str, model: str, work: Path, decode: int) -> Iterator[str]:
-    spec = UpSpec(model=model, work=work / name, decode=decode, store_memory="2GiB",
+def up_setup(name: str, model: str, work: Path, decode: int, decode_saves: bool = False,
+             proxy_args: tuple[str, ...] = ()) -> Iterator[str]:
+    spec = UpSpec(model=model, work=work / name, decode=decode, store_memory="2GiB", decode_saves=decode_saves,
+                  proxy_args=list(proxy_args),
                   vllm_args=["--dtype=float32", f"--max-model-len={MAX_MODEL_LEN}", "--seed=0"], stop_grace_s=30)
     with up_stack(spec) as stack:
         warm(stack.url, model)
         yield stack.url
 
 
-def setup_factory(key: str, model: str, work: Path) -> Callable[[], contextlib.AbstractContextManager[str]]:
+def setup_factory(key: str, model: str, work: Path,
+                  proxy_args: tuple[str, ...] = ()) -> Callable[[], contextlib.AbstractContextManager[str]]:
     if key == "plain":
         return lambda: plain_server("plain", model, work, None)
-    if key == "connector":
-        cfg = write_config(work / "connector.yaml", disk=work / "connector-disk", store=None, cpu_gib=1.0)
-        return lambda: plain_server("connector", model, work, ours(cfg, run_dir=str(work / "connector" / "run")))
-    return lambda: up_setup(key, model, work, decode=2 if key == "up-2d" else 1)
+    if key in ("connector", "connector-load", "connector-cpu"):
+        # A fresh disk folder per start: a repeat must not find the last run's chunks.
+        disk = None if key == "connector-cpu" else work / f"{key}-disk-{time.monotonic_ns()}"
+        cfg = write_config(work / f"{key}.yaml", disk=disk, store=None, cpu_gib=1.0)
+        role = "kv_consumer" if key == "connector-load" else "kv_both"
+        return lambda: plain_server(key, model, work, ours(cfg, role, run_dir=str(work / key / "run")))
+    if key == "up-ds":
+        given = any(a.startswith("--direct-decode-max-uncached") for a in proxy_args)
+        return lambda: up_setup(key, model, work, decode=1, decode_saves=True,
+                                proxy_args=proxy_args if given else (*UP_DS_PROXY_ARGS, *proxy_args))
+    return lambda: up_setup(key, model, work, decode=2 if key == "up-2d" else 1, proxy_args=proxy_args)
 
 
 def proxy_stats(url: str) -> dict[str, int]:
@@ -210,11 +249,35 @@ def row_from(setup: str, workload: str, n: int, result: dict[str, Any], raw: Pat
                input_tokens=result["total_input_tokens"], output_tokens=result["total_output_tokens"], raw=str(raw))
 
 
+def client_row(name: str, key: str, w: str, url: str, model: str, dataset: tuple[list[str], int], where: Path,
+               args: argparse.Namespace, slo_ms: dict[str, float]) -> Row:
+    """One ``vllm bench serve`` run of ``dataset`` against ``url``: its row (a failed client run: a row with
+    every request failed and the client's error as its note)."""
+    label = WORKLOADS.get(w, w)
+    (ds_args, n), raw = dataset, where / "raw" / f"{key}-{w}.json"
+    crun = ClientRun(url, model, ds_args, n, raw, seed=args.seed, request_rate=args.request_rate,
+                     goodput_ms=slo_ms, timeout_s=600)
+    before = proxy_stats(url)
+    try:
+        result = run_client(crun, where / "raw" / f"{key}-{w}.log")
+    except BenchClientError as e:
+        print(f"  {name} / {label}: {e}", flush=True)
+        return Row(name, label, n, failed=n, note=f"client: {str(e)[:300]}")
+    row = row_from(name, label, n, result, raw, slo_ms)
+    if before:
+        after = proxy_stats(url)
+        row.proxy = {k: after[k] - before[k] for k in ("direct_decode", "via_prefill")}
+    print(f"  {row.setup:18s} {row.workload:18s} {row.completed}/{n} ok, {row.request_throughput:.2f} "
+          f"req/s, {row.output_throughput:.1f} tok/s, TTFT p50 {row.ttft_ms['p50']:.0f} ms, "
+          f"TPOT p50 {row.tpot_ms['p50']:.1f} ms", flush=True)
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="small", choices=["tiny", "small", "0.5b"], help="generated Llama (default small)")
-    ap.add_argument("--setups", default="plain,connector,up",
-                    help=f"comma-separated, from {','.join(SETUPS)} (default plain,connector,up)")
+    ap.add_argument("--setups", default="plain,connector,up,up-ds",
+                    help=f"comma-separated, from {','.join(SETUPS)} (default plain,connector,up,up-ds)")
     ap.add_argument("--with-2-decode", action="store_true", help="add up-2d: up --prefill 1 --decode 2")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, from {','.join(WORKLOADS)}")
     ap.add_argument("--num-prompts", type=int, default=16, help="prompts of prefix_repetition and random (default 16)")
@@ -230,6 +293,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="multi-turn chat: each later user message (default 128)")
     ap.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="TTFT SLO of goodput (default 1000 ms)")
     ap.add_argument("--slo-tpot-ms", type=float, default=100.0, help="TPOT SLO of goodput (default 100 ms)")
+    ap.add_argument("--proxy-arg", action="append", default=[], metavar="ARG",
+                    help="extra argument for the proxy of the up setups (repeat), as up's own --proxy-arg, "
+                    "e.g. --proxy-arg=--direct-decode-max-uncached=512")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the setups this many times, in turn (a fresh server each time; rows named "
+                    "'SETUP (run K)'): single 16-request cells are noisy, compare repeats (default 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=RESULTS / "serving.json", help="result (the plot: same name, .png)")
     ap.add_argument("--work", type=Path, default=None, help="work folder (default: a temp folder)")
@@ -256,44 +325,56 @@ def main(argv: list[str] | None = None) -> int:
     if "chat" in workloads:
         chat_jsonl(chat_file, model, args.chat_conversations, args.chat_turns, args.chat_first_tokens,
                    args.chat_message_tokens, args.output_len, args.seed)
+    chat_restart = (([], 0), ([], 0))
+    if "chat-restart" in workloads:
+        # Other conversations than chat's (seed + 1): the tiers hold nothing of them before.
+        lines = chat_jsonl(work / "chat_restart.jsonl", model, args.chat_conversations, args.chat_turns,
+                           args.chat_first_tokens, args.chat_message_tokens, args.output_len, args.seed + 1)
+        cut = args.chat_conversations * (args.chat_turns // 2)
+        parts = (work / "chat_restart_before.jsonl", work / "chat_restart_after.jsonl")
+        parts[0].write_text("\n".join(lines[:cut]) + "\n")
+        parts[1].write_text("\n".join(lines[cut:]) + "\n")
+        chat_restart = tuple((custom_args(f, args.output_len), n) for f, n in zip(parts, (cut, len(lines) - cut),
+                                                                                 strict=True))
     slo_ms = {"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms}
     run = Run(model=model, date=time.strftime("%Y-%m-%d %H:%M:%S"), slo_ms=slo_ms,
               settings={k: v for k, v in vars(args).items() if k not in ("json", "work", "replot")}
               | {"setups": setups, "workloads": workloads})
     print(f"model {model}\nwork folder {work}", flush=True)
     ok = True
-    for key in setups:
+    if args.repeat < 1:
+        ap.error(f"--repeat {args.repeat}: at least 1")
+    for rep, key in ((rep, key) for rep in range(args.repeat) for key in setups):
+        name = SETUPS[key] + (f" (run {rep + 1})" if args.repeat > 1 else "")
         t0 = time.monotonic()
+        where = work / f"run{rep + 1}" if args.repeat > 1 else work  # each repeat's own logs and tiers
+        factory = setup_factory(key, model, where, tuple(args.proxy_arg))
         try:
-            with setup_factory(key, model, work)() as url:
-                print(f"{SETUPS[key]} ready at {url} in {time.monotonic() - t0:.0f} s", flush=True)
+            with contextlib.ExitStack() as server:
+                url = server.enter_context(factory())
+                print(f"{name} ready at {url} in {time.monotonic() - t0:.0f} s", flush=True)
                 for w in workloads:
-                    dataset, n = workload_args(w, args, chat_file)
-                    raw = work / "raw" / f"{key}-{w}.json"
-                    crun = ClientRun(url, model, dataset, n, raw, seed=args.seed, request_rate=args.request_rate,
-                                     goodput_ms=slo_ms, timeout_s=600)
-                    before = proxy_stats(url)
-                    try:
-                        result = run_client(crun, work / "raw" / f"{key}-{w}.log")
-                    except BenchClientError as e:
-                        ok = False
-                        print(f"  {SETUPS[key]} / {WORKLOADS[w]}: {e}", flush=True)
-                        run.rows.append(Row(SETUPS[key], WORKLOADS[w], n, failed=n, note=f"client: {str(e)[:300]}"))
-                        continue
-                    row = row_from(SETUPS[key], WORKLOADS[w], n, result, raw, slo_ms)
-                    if before:
-                        after = proxy_stats(url)
-                        row.proxy = {k: after[k] - before[k] for k in ("direct_decode", "via_prefill")}
-                    ok &= row.failed == 0
+                    if w == "chat-restart":
+                        if key in UP_SETUPS:
+                            continue  # restarting up restarts its store: nothing would survive
+                        # The first half of the turns, a restart (the same tiers), then the turns measured.
+                        first = client_row(name, key, w + "-1", url, model, chat_restart[0], where, args, slo_ms)
+                        if first.failed or first.note:
+                            ok = False
+                            run.rows.append(first)
+                            continue
+                        server.close()
+                        url = server.enter_context(factory())
+                        print(f"  {name} restarted for the rest of the turns", flush=True)
+                    dataset = chat_restart[1] if w == "chat-restart" else workload_args(w, args, chat_file)
+                    row = client_row(name, key, w, url, model, dataset, where, args, slo_ms)
+                    ok &= row.failed == 0 and not row.note
                     run.rows.append(row)
-                    print(f"  {row.setup:18s} {row.workload:18s} {row.completed}/{n} ok, {row.request_throughput:.2f} "
-                          f"req/s, {row.output_throughput:.1f} tok/s, TTFT p50 {row.ttft_ms['p50']:.0f} ms, "
-                          f"TPOT p50 {row.tpot_ms['p50']:.1f} ms", flush=True)
         except RuntimeError as e:  # did not start: a finding, recorded; the other setups go on
             ok = False
-            print(f"{SETUPS[key]} failed: {str(e)[:1500]}", flush=True)
-            run.rows += [Row(SETUPS[key], WORKLOADS[w], 0, note=f"did not start: {str(e)[:300]}") for w in workloads]
-        print(f"{SETUPS[key]}: {time.monotonic() - t0:.0f} s", flush=True)
+            print(f"{name} failed: {str(e)[:1500]}", flush=True)
+            run.rows += [Row(name, WORKLOADS[w], 0, note=f"did not start: {str(e)[:300]}") for w in workloads]
+        print(f"{name}: {time.monotonic() - t0:.0f} s", flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(asdict(run), indent=2))
     print_table(run)
