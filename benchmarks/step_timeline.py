@@ -36,8 +36,8 @@ the summary shows medians. Every server gets both cores
     .venv/bin/python benchmarks/step_timeline.py [--tokens 8193] [--modes disk,disk-one-pass,store-shm,plain] [--repeat 2]
 
 About 1 minute per server on 2 cores. Writes ``benchmarks/results/step_timeline.json``.
-Not part of ``make bench``: a profiling tool (``docs/performance.md``, "Where a
-cached load's time goes").
+Not part of ``make bench``: a profiling tool (``docs/performance.md`` lists it under
+"How to reproduce").
 """
 
 from __future__ import annotations
