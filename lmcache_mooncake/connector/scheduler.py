@@ -166,6 +166,7 @@ class SchedulerSide:
         reply = self.lookup_client.ask(request.request_id, rec.token_ids, rec.cache_salt, rec.lora,
                                        wait=LOOKUP_WAIT_S)
         if reply is None:
+            self.stats.add("lookup_deferred_steps")
             return None, False  # the worker is still looking: vLLM asks again next step
         now = time.monotonic()
         hit = reply.hit

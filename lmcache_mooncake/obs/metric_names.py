@@ -86,6 +86,8 @@ FAMILIES: tuple[Family, ...] = (
        "loads_failed_recomputed"),
     _c("load_failed_tokens", "Planned tokens that were not loaded and were recomputed.", "load_failed_tokens"),
     _c("saved_tokens", "Prompt tokens handed to the tiers to store.", "saved_tokens"),
+    _c("lookup_deferred_steps", "Scheduler steps a waiting request sat out because the worker had not answered its "
+       "lookup within 10 ms (vLLM asks again the next step).", "lookup_deferred_steps"),
     _c("layerwise_steps", "Layer-wise mode: saves and loads copied layer by layer (staged), and those that fell "
        "back (save: from paged KV after the step; load: recomputed) because vLLM skipped the per-layer hooks.",
        {"layerwise_saves": "save", "layerwise_loads": "load", "layerwise_save_fallbacks": "save_fallback",
