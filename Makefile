@@ -16,7 +16,7 @@ demo: setup
 demo-single: setup
 	.venv/bin/lmcache-mooncake demo
 
-# The benchmarks behind docs/performance.md (about 35 minutes on 2 cores from a
+# The benchmarks behind docs/performance.md (about 30 minutes on 2 cores from a
 # fresh clone, setup included; slower VMs took longer); results and plots go to
 # benchmarks/results/. docs/performance.md lists the slower variants they offer
 # (tier_load.py --paths worker,lmcache, --auth).
