@@ -84,9 +84,9 @@ RESULTS = HERE / "results"
 MAX_MODEL_LEN = 4096
 
 SETUPS = {"plain": "plain vLLM", "connector": "vLLM + connector", "up": "up 1P+1D", "up-2d": "up 1P+2D",
+          "up-ds": "up 1P+1D, D saves",
           # Not in make bench; for finding out where a difference comes from:
-          "connector-load": "vLLM + connector, loads only", "connector-cpu": "vLLM + connector, CPU tier only",
-          "up-ds": "up 1P+1D, D saves"}
+          "connector-load": "vLLM + connector, loads only", "connector-cpu": "vLLM + connector, CPU tier only"}
 #: ``up-ds``: decode instances save what they compute, and the proxy sends a request straight to
 #: decode while at most two chunks of it are missing (a conversation's new turn), not one.
 UP_DS_PROXY_ARGS = ("--direct-decode-max-uncached=512",)
